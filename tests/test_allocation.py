@@ -1,0 +1,185 @@
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_lightning import allocation as alloc
+from trace_lightning.allocation import (
+    Budget,
+    BudgetError,
+    BudgetExceeded,
+    BudgetLedger,
+    PrefixCandidate,
+    solve_prefixes,
+    solve_roots,
+    v_root,
+)
+
+
+def brute_force_roots(v, n_roots, min_group, cap):
+    """Best objective over every allocation with m_i in {0} ∪ [min_group, cap], sum = n_roots."""
+    sizes = [0, *range(min_group, cap + 1)]
+    best = -np.inf
+    for ms in itertools.product(sizes, repeat=len(v)):
+        if sum(ms) == n_roots:
+            best = max(best, float(v_root(np.clip(v, 1e-4, 1 - 1e-4), np.array(ms)).sum()))
+    return best
+
+
+def brute_force_prefixes(q, budget):
+    best = -np.inf
+    for ks in itertools.product(range(budget + 1), repeat=len(q)):
+        if sum(ks) == budget:
+            best = max(best, float(sum(1 - qi**k for qi, k in zip(q, ks, strict=True))))
+    return best
+
+
+def test_worked_example():
+    # two groups of 2 at v = 0.5 give 0.5 + 0.5 = 1.0; one group of 4 gives 1 - 2/16 = 0.875
+    assert solve_roots(np.array([0.5, 0.9, 0.5]), 4).tolist() == [2, 0, 2]
+
+
+def test_greedy_trap_is_solved_exactly():
+    # A gain-per-unit greedy opens the v=0.5 pair (+0.5), then prefers its third rollout (+0.25)
+    # over the v=0.3 pair (+0.42, i.e. 0.21 a rollout), ending at [4, 0] = 0.875; the optimum is
+    # [2, 2] = 0.5 + (1 - 0.09 - 0.49) = 0.92.
+    counts = solve_roots(np.array([0.5, 0.3]), 4, max_per_prompt=None)
+    assert counts.tolist() == [2, 2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    v=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4),
+    n_roots=st.integers(2, 8),
+    min_group=st.integers(1, 3),
+    cap=st.integers(3, 6),
+)
+def test_roots_match_brute_force(v, n_roots, min_group, cap):
+    v = np.array(v)
+    try:
+        counts = solve_roots(v, n_roots, min_group, cap)
+    except BudgetError:
+        assert brute_force_roots(v, n_roots, min_group, cap) == -np.inf or len(v) * cap < n_roots
+        return
+    assert counts.sum() == n_roots
+    assert all(m == 0 or min_group <= m <= cap for m in counts)
+    got = float(v_root(np.clip(v, 1e-4, 1 - 1e-4), counts).sum())
+    assert got == pytest.approx(brute_force_roots(v, n_roots, min_group, cap), abs=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(q=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), budget=st.integers(0, 6))
+def test_prefixes_match_brute_force(q, budget):
+    q = np.array(q)
+    ks = solve_prefixes(q, budget)
+    assert ks.sum() == budget
+    assert float(np.sum(1 - q**ks)) == pytest.approx(brute_force_prefixes(q, budget), abs=1e-12)
+
+
+def test_prefix_budget_goes_where_the_outcome_may_flip():
+    # On a success (r=1), risky prefixes (low V) get continuations; on a failure, promising ones.
+    cands = [PrefixCandidate(1, True, 0.95), PrefixCandidate(2, True, 0.4), PrefixCandidate(3, False, 0.1)]
+    ks = alloc.ActivePrefixes()(cands, 3, np.random.default_rng(0))
+    assert ks[1] >= 2 and ks[0] == 0
+
+
+def test_deterministic_given_seed():
+    v = np.random.default_rng(3).random(64)
+    for make in (alloc.uniform, alloc.pcl, alloc.trace, alloc.random_expand):
+        a, b = make(), make()
+        budget = Budget(48)
+        ca = a.allocate_roots(v, budget, np.random.default_rng(11))
+        cb = b.allocate_roots(v, budget, np.random.default_rng(11))
+        assert ca.tolist() == cb.tolist()
+
+
+def test_pcl_picks_closest_to_half():
+    v = np.array([0.1, 0.45, 0.9, 0.55, 0.5, 0.0])
+    counts = alloc.pcl(group_size=2).allocate_roots(v, Budget(6), np.random.default_rng(0))
+    assert counts.tolist() == [0, 2, 0, 2, 2, 0]
+
+
+ALLOCATORS = [
+    alloc.uniform(4),
+    alloc.pcl(4),
+    alloc.random_expand(2, 2),
+    alloc.trace(2),
+    alloc.trace_root_only(2),
+    alloc.trace_prefix_only(2, 2),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, len(ALLOCATORS) - 1),
+    preds=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=60),
+    groups=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
+def test_root_budget_is_exact_or_a_clear_error(which, preds, groups, seed):
+    allocator = ALLOCATORS[which]
+    budget = Budget(leaves=12 * groups)  # a multiple of 4, and of 2 * (1 + 2)
+    try:
+        counts = allocator.allocate_roots(np.array(preds), budget, np.random.default_rng(seed))
+    except BudgetError as err:
+        assert "data.pool_size" in str(err) or "budget.leaves" in str(err)
+        return
+    assert counts.sum() * (1 + allocator.expansion) == budget.leaves
+    assert (counts >= 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, len(ALLOCATORS) - 1),
+    preds=st.lists(st.floats(0.0, 1.0), max_size=12),
+    wins=st.lists(st.booleans(), min_size=12, max_size=12),
+    n_bare=st.integers(1, 5),
+)
+def test_prefix_budget_is_m_times_n(which, preds, wins, n_bare):
+    allocator = ALLOCATORS[which]
+    cands = [PrefixCandidate(i, w, p) for i, (p, w) in enumerate(zip(preds, wins, strict=False))]
+    ks = allocator.allocate_prefixes(cands, n_bare, np.random.default_rng(0))
+    assert len(ks) == len(cands)
+    assert ks.sum() == (n_bare * allocator.expansion if cands else 0)
+
+
+def test_clear_errors():
+    with pytest.raises(BudgetError, match="data.pool_size"):
+        alloc.uniform(4).allocate_roots(np.full(3, 0.5), Budget(16), np.random.default_rng(0))
+    with pytest.raises(BudgetError, match="multiple of 1 \\+ allocator.expansion"):
+        alloc.trace(2).allocate_roots(np.full(8, 0.5), Budget(10), np.random.default_rng(0))
+    with pytest.raises(BudgetError, match="minimal group"):
+        alloc.trace(2, min_group=2).allocate_roots(np.full(8, 0.5), Budget(3), np.random.default_rng(0))
+    with pytest.raises(BudgetError, match="max_per_prompt"):
+        solve_roots(np.full(2, 0.5), 40, max_per_prompt=16)
+    with pytest.raises(BudgetError, match="multiple of allocator.group_size"):
+        alloc.uniform(4).allocate_roots(np.full(8, 0.5), Budget(6), np.random.default_rng(0))
+    with pytest.raises(BudgetError, match="budget.leaves"):
+        Budget(0)
+    with pytest.raises(BudgetError, match="prefix rule"):
+        alloc.TreeAllocator("bad", alloc.UniformRoots(2), None, expansion=1)
+
+
+def test_ledger_refuses_overspending():
+    ledger = BudgetLedger(Budget(leaves=4, max_tokens=10))
+    ledger.reserve_leaves(3, "bare")
+    with pytest.raises(BudgetExceeded):
+        ledger.reserve_leaves(2, "expand")
+    ledger.charge_tokens(10, "bare", 1)
+    assert ledger.tokens_left() == 0
+    with pytest.raises(BudgetExceeded):
+        ledger.charge_tokens(1, "expand", 2)
+
+
+def test_beta_prior_cold_start():
+    prior = alloc.BetaPrior(alpha=1, beta=1, warmup=2)
+    assert prior.active(0) and prior.active(1) and not prior.active(2)
+    prior.update(5, successes=3, failures=1)
+    np.testing.assert_allclose(prior.mean([5, 6]), [4 / 6, 0.5])
+    restored = alloc.BetaPrior(warmup=2)
+    restored.load_state_dict(prior.state_dict())
+    assert restored.counts == prior.counts
+    with pytest.raises(ValueError, match="cold_start.alpha"):
+        alloc.BetaPrior(alpha=0)

@@ -1,0 +1,286 @@
+"""Advantage estimators: pure torch functions, each with a plain-loop `*_reference` twin for tests.
+
+Leaf-level estimators (`grpo`, `dr_grpo`, `rloo`, `tree_grpo`) give one advantage per leaf, i.e. per
+complete trajectory, from that leaf's reward and the rewards of its group. Tree-level estimators work
+per node: `tree_segment` from backed-up node values, and `node_advantages_from_leaves` turns any
+leaf-level advantage into a node-level one, because in a tree every node's action tokens are trained
+exactly once (see `tree.py`) and so need a single advantage even when several leaves pass through them.
+
+Groups are given as integer labels, one per leaf; labels need not be contiguous or sorted. Statistics
+are computed with `torch.unique(return_inverse=True)` and `index_add_`, never a Python loop over groups.
+
+Degenerate groups are defined, never NaN: a group of one leaf, or a group whose rewards are all equal,
+carries no contrast, so every leaf in it gets exactly 0.0 from every leaf-level estimator here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+# Added to the group standard deviation in `grpo`. Peers differ (TRL 1e-4, verl 1e-6, OpenRLHF 1e-9);
+# we follow verl 0.9.1 so its published values are our test goldens. The epsilon only guards the
+# division: zero-variance groups are set to exactly 0 explicitly, so it never has to absorb a 0/0.
+GRPO_EPS = 1e-6
+
+
+def _group_index(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense group index per leaf and the size of each group.  # [L], [n_groups]"""
+    _, inverse = torch.unique(groups, return_inverse=True)  # [L] in 0..n_groups-1
+    counts = torch.bincount(inverse)  # [n_groups]
+    return inverse, counts
+
+
+def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Sum of `x` over the leaves of each group.  # [n_groups]"""
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+
+def _centred(
+    rewards: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """r - group mean, with degenerate groups forced to exactly 0.
+
+    Returns the centred rewards [L], the dense group index of each leaf [L], the group sizes
+    [n_groups], and whether each leaf's group has any contrast (>= 2 leaves, not all rewards equal)
+    [L]. Forcing degenerate groups to 0 matters because a float mean such as (0.1 + 0.1 + 0.1) / 3
+    need not equal 0.1 exactly.
+    """
+    inverse, counts = _group_index(groups)
+    n_groups = counts.numel()
+    mean = _group_sum(rewards, inverse, n_groups) / counts.to(rewards.dtype)  # [n_groups]
+    group_max = torch.full_like(mean, -math.inf).scatter_reduce(0, inverse, rewards, "amax")  # [n_groups]
+    group_min = torch.full_like(mean, math.inf).scatter_reduce(0, inverse, rewards, "amin")  # [n_groups]
+    contrast = (group_max > group_min)[inverse]  # [L]; implies the group has >= 2 leaves
+    centred = torch.where(contrast, rewards - mean[inverse], torch.zeros_like(rewards))  # [L]
+    return centred, inverse, counts, contrast
+
+
+def grpo(rewards: torch.Tensor, groups: torch.Tensor, eps: float = GRPO_EPS) -> torch.Tensor:
+    """GRPO advantage (Shao et al. 2024): (r - group mean) / (group std + eps).
+
+    The std is unbiased (divides by G - 1), as in verl 0.9.1. Groups of one leaf and groups whose
+    rewards are all equal give exactly 0.0.
+
+    Example: one group with rewards [1, 0, 0, 1] has mean 0.5 and unbiased std sqrt(1/3) = 0.5774,
+    so the advantages are [+0.866, -0.866, -0.866, +0.866].
+
+    Args:
+        rewards: [L] float, one reward per leaf.
+        groups: [L] long, the group label of each leaf.
+        eps: added to the std; see `GRPO_EPS` for the choice.
+
+    Returns:
+        [L] advantages, same dtype as `rewards`.
+    """
+    centred, inverse, counts, contrast = _centred(rewards, groups)
+    sq_sum = _group_sum(centred.square(), inverse, counts.numel())  # [n_groups]
+    # Clamping G - 1 at 1 only affects size-1 groups, whose centred values are already exactly 0.
+    std = (sq_sum / (counts - 1).clamp(min=1).to(rewards.dtype)).sqrt()[inverse]  # [L]
+    return torch.where(contrast, centred / (std + eps), torch.zeros_like(rewards))
+
+
+def dr_grpo(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO advantage (Liu et al. 2025): r - group mean, with no division by the std.
+
+    Example: rewards [0, 0, 0, 1] in one group -> [-0.25, -0.25, -0.25, +0.75].
+    """
+    return _centred(rewards, groups)[0]
+
+
+def rloo(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """RLOO advantage (Ahmadian et al. 2024): r - mean of the other members of the group.
+
+    The leave-one-out baseline equals G / (G - 1) * (r - group mean), which is what we compute.
+    Example: rewards [0, 0, 0, 1] -> [-1/3, -1/3, -1/3, +1.0]. Groups of one leaf give 0.
+    """
+    centred, inverse, counts, _ = _centred(rewards, groups)
+    sizes = counts[inverse].to(rewards.dtype)  # [L], size of each leaf's group
+    # Size-1 groups have centred == 0, so clamping the denominator only avoids a 0/0.
+    return centred * sizes / (sizes - 1).clamp(min=1)
+
+
+def tree_grpo(
+    rewards: torch.Tensor,
+    local_groups: torch.Tensor,
+    global_groups: torch.Tensor,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
+    """Tree-GRPO advantage (Ji et al. 2025): GRPO within the local group plus GRPO within the global one.
+
+    In our trees each prompt has exactly one tree. The local group of a leaf is the subtree of the
+    bare rollout it descends from (all leaves below the same depth-1 node: that bare rollout plus the
+    continuations branched from its prefixes); the global group is every leaf of the prompt. The local
+    term contrasts continuations of a shared prefix, the global term contrasts whole strategies.
+
+    Example: leaves with rewards [1, 0, 1, 1], local groups [0, 0, 1, 1], one global group ->
+    local [+0.707, -0.707, 0, 0] + global [+0.5, -1.5, +0.5, +0.5] = [+1.207, -2.207, +0.5, +0.5].
+    """
+    return grpo(rewards, local_groups, eps) + grpo(rewards, global_groups, eps)
+
+
+def tree_segment(
+    values: torch.Tensor,
+    parents: torch.Tensor,
+    roots: torch.Tensor,
+    leaf_counts: torch.Tensor,
+    scale_by_leaves: bool = False,
+) -> torch.Tensor:
+    """Node advantage from backed-up values (TreeRL-style, Hou et al. 2025).
+
+    For the tokens of turn s: A(s) = [V̂(s) - V̂(parent(s))] + [V̂(s) - V̂(root)]. The first term is
+    the local gain of taking this turn from its prefix, the second the gain over the prompt's average.
+    Root nodes (parent == -1) get 0. With `scale_by_leaves`, A(s) is divided by sqrt(leaf_counts[s]),
+    as in TreeRL, so that nodes shared by many leaves do not dominate the update.
+
+    Several trees may be concatenated in one call; `roots` says which root each node belongs to.
+    V̂ is NaN for a node with no leaf below it (see `tree.backup`). Such nodes should not occur in a
+    finished tree, but if they do they get 0: they have no trajectory to train. A node with a leaf
+    below always has finite parent and root values, since those subtrees contain the same leaf.
+
+    Example: root value 0.5, turn 1 value 1.0 (its parent is the root), turn 2 value 0.0 with parent
+    turn 1 -> A = [0, (1 - 0.5) + (1 - 0.5), (0 - 1) + (0 - 0.5)] = [0, 1.0, -1.5].
+
+    Args:
+        values: [n_nodes] float, V̂ per node (mean leaf reward of its subtree).
+        parents: [n_nodes] long, parent index, -1 for roots.
+        roots: [n_nodes] long, index of each node's root.
+        leaf_counts: [n_nodes] long, number of leaves in each node's subtree.
+        scale_by_leaves: divide by sqrt(leaf_counts).
+
+    Returns:
+        [n_nodes] advantages.
+    """
+    parent_values = values[parents.clamp(min=0)]  # [n_nodes]; roots read themselves, masked below
+    adv = (values - parent_values) + (values - values[roots])  # [n_nodes]
+    if scale_by_leaves:
+        adv = adv / leaf_counts.clamp(min=1).to(values.dtype).sqrt()
+    trainable = (parents >= 0) & (leaf_counts > 0)  # [n_nodes]
+    return torch.where(trainable, adv, torch.zeros_like(adv))
+
+
+def node_advantages_from_leaves(
+    parents: torch.Tensor, leaf_index: torch.Tensor, leaf_adv: torch.Tensor
+) -> torch.Tensor:
+    """Node advantage = mean advantage of the leaves in the node's subtree (the once-per-node rule).
+
+    A node's tokens are trained once, yet every leaf below it judged them, so they take the mean of
+    those leaves' advantages. For a leaf itself this is its own advantage; nodes with no leaf below
+    get 0. Requires parents[i] < i for every non-root node (true for ids in creation order, and kept
+    when trees are concatenated with offsets), which guarantees the upward walk ends.
+
+    Vectorised over leaves: all leaves climb one level at a time together (`cur = parents[cur]`), each
+    step adding every leaf's advantage to the node it currently stands on, so the loop runs once per
+    level of depth, not once per node.
+
+    Example: root 0 -> node 1 -> leaves 2 (adv +1) and 3 (adv -0.5) -> node 1 gets 0.25.
+
+    Args:
+        parents: [n_nodes] long, parent index, -1 for roots.
+        leaf_index: [L] long, node id of each leaf.
+        leaf_adv: [L] float, advantage of each leaf.
+
+    Returns:
+        [n_nodes] node advantages, dtype of `leaf_adv`.
+    """
+    n = parents.numel()
+    ids = torch.arange(n, device=parents.device)  # [n_nodes]
+    if bool((parents >= ids).any()):
+        raise ValueError("node_advantages_from_leaves needs parents[i] < i: number nodes in creation order")
+    sums = torch.zeros(n, dtype=leaf_adv.dtype, device=leaf_adv.device)  # [n_nodes]
+    counts = torch.zeros(n, dtype=leaf_adv.dtype, device=leaf_adv.device)  # [n_nodes]
+    cur, adv = leaf_index, leaf_adv  # [L'], the leaves still climbing and their advantages
+    while cur.numel() > 0:
+        sums.index_add_(0, cur, adv)
+        counts.index_add_(0, cur, torch.ones_like(adv))
+        cur = parents[cur]  # [L'], one level up; roots step to -1
+        alive = cur >= 0
+        cur, adv = cur[alive], adv[alive]
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain-loop references: the same definitions written the obvious way, used only to check the above.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _members(groups: torch.Tensor) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups.tolist()):
+        out[g].append(i)
+    return out
+
+
+def _leaf_reference(rewards: torch.Tensor, groups: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    r = rewards.tolist()
+    out = [0.0] * len(r)
+    for idx in _members(groups).values():
+        vals = [r[i] for i in idx]
+        g = len(vals)
+        if g < 2 or min(vals) == max(vals):
+            continue  # no contrast: every member keeps 0.0
+        mean = sum(vals) / g
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (g - 1))
+        for i in idx:
+            if kind == "grpo":
+                out[i] = (r[i] - mean) / (std + eps)
+            elif kind == "dr_grpo":
+                out[i] = r[i] - mean
+            else:  # rloo: baseline is the mean of the other g - 1 members
+                out[i] = r[i] - (sum(vals) - r[i]) / (g - 1)
+    return torch.tensor(out, dtype=rewards.dtype)
+
+
+def grpo_reference(rewards: torch.Tensor, groups: torch.Tensor, eps: float = GRPO_EPS) -> torch.Tensor:
+    return _leaf_reference(rewards, groups, "grpo", eps)
+
+
+def dr_grpo_reference(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    return _leaf_reference(rewards, groups, "dr_grpo", 0.0)
+
+
+def rloo_reference(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    return _leaf_reference(rewards, groups, "rloo", 0.0)
+
+
+def tree_grpo_reference(
+    rewards: torch.Tensor,
+    local_groups: torch.Tensor,
+    global_groups: torch.Tensor,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
+    return grpo_reference(rewards, local_groups, eps) + grpo_reference(rewards, global_groups, eps)
+
+
+def tree_segment_reference(
+    values: torch.Tensor,
+    parents: torch.Tensor,
+    roots: torch.Tensor,
+    leaf_counts: torch.Tensor,
+    scale_by_leaves: bool = False,
+) -> torch.Tensor:
+    v, p, rt, c = values.tolist(), parents.tolist(), roots.tolist(), leaf_counts.tolist()
+    out = [0.0] * len(v)
+    for s in range(len(v)):
+        if p[s] < 0 or c[s] == 0:
+            continue
+        a = (v[s] - v[p[s]]) + (v[s] - v[rt[s]])
+        out[s] = a / math.sqrt(c[s]) if scale_by_leaves else a
+    return torch.tensor(out, dtype=values.dtype)
+
+
+def node_advantages_from_leaves_reference(
+    parents: torch.Tensor, leaf_index: torch.Tensor, leaf_adv: torch.Tensor
+) -> torch.Tensor:
+    p = parents.tolist()
+    sums, counts = [0.0] * len(p), [0] * len(p)
+    for leaf, a in zip(leaf_index.tolist(), leaf_adv.tolist(), strict=True):
+        node = leaf
+        while node >= 0:  # walk from the leaf up to its root, inclusive
+            sums[node] += a
+            counts[node] += 1
+            node = p[node]
+    out = [s / c if c else 0.0 for s, c in zip(sums, counts, strict=True)]
+    return torch.tensor(out, dtype=leaf_adv.dtype)

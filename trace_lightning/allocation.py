@@ -1,0 +1,398 @@
+"""Pure rollout allocators: how a fixed leaf budget is spread over prompts (Stage 1) and over the turn
+prefixes of their bare rollouts (Stage 2).  See TRACE_SPEC.md, "Stage 1" and "Stage 2".
+
+An allocator is a `TreeAllocator`: a root rule plus, optionally, a prefix rule and the continuation
+multiplier N.  With N > 0 the leaf budget L splits into M = L / (1 + N) bare rollouts and, per prompt
+i, m_i * N continuations, so every allocator spends exactly the same number of leaves.
+
+Budget rules (never a silent change):
+  * L must be a multiple of (1 + N), and of group_size * (1 + N) for fixed-group root rules;
+  * a pool with fewer candidates than the root rule needs raises `BudgetError`;
+  * a root budget smaller than one minimal group raises `BudgetError`;
+  * a prompt whose bare rollouts all ended after one turn has no turn prefix to branch from; its
+    m_i * N continuations then start from the prompt itself (more rollouts of the same prompt), so
+    the budget is still spent in full and Stage 2 stays local to each prompt (see `iteration.py`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+# Predictions are clipped away from 0 and 1 so that every gain stays strictly positive: a saturated
+# predictor then still prefers the least-decided anchor instead of an arbitrary one.
+PROB_EPS = 1e-4
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be met as configured. The message names the keys to change."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one iteration may spend: leaves (trajectories) and, optionally, generated tokens."""
+
+    leaves: int
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.leaves < 1:
+            raise BudgetError(f"budget.leaves={self.leaves}: an iteration needs at least one rollout")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise BudgetError(f"budget.max_tokens={self.max_tokens}: use null for no token cap, or >= 1")
+
+
+class BudgetExceeded(RuntimeError):
+    """Raised when a stage asks for more than the budget holds: a bug in the caller, never expected."""
+
+
+@dataclass
+class BudgetLedger:
+    """The one object that counts what an iteration spends, per stage and per depth."""
+
+    budget: Budget
+    leaves: dict[str, int] = field(default_factory=lambda: {"bare": 0, "expand": 0})
+    tokens: dict[str, int] = field(default_factory=lambda: {"bare": 0, "expand": 0})
+    tokens_by_depth: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def leaves_used(self) -> int:
+        return sum(self.leaves.values())
+
+    @property
+    def tokens_used(self) -> int:
+        return sum(self.tokens.values())
+
+    def reserve_leaves(self, n: int, stage: str) -> None:
+        if self.leaves_used + n > self.budget.leaves:
+            raise BudgetExceeded(f"{stage} asked for {n} leaves with {self.leaves_left()} left")
+        self.leaves[stage] += n
+
+    def leaves_left(self) -> int:
+        return self.budget.leaves - self.leaves_used
+
+    def tokens_left(self) -> int | None:
+        return None if self.budget.max_tokens is None else self.budget.max_tokens - self.tokens_used
+
+    def charge_tokens(self, n: int, stage: str, depth: int) -> None:
+        left = self.tokens_left()
+        if left is not None and n > left:
+            raise BudgetExceeded(f"{stage} generated {n} tokens with {left} left in budget.max_tokens")
+        self.tokens[stage] += n
+        self.tokens_by_depth[depth] = self.tokens_by_depth.get(depth, 0) + n
+
+
+# --------------------------------------------------------------------------- Stage 1: roots
+
+
+def v_root(v: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """P(m rollouts of a prompt with success probability v are mixed) = 1 - v^m - (1-v)^m."""
+    return np.asarray(1.0 - v**m - (1.0 - v) ** m, dtype=np.float64)
+
+
+def solve_roots(
+    predicted: np.ndarray, n_roots: int, min_group: int = 2, max_per_prompt: int | None = 16
+) -> np.ndarray:
+    """Exact Stage 1: integer m_i in {0} ∪ [min_group, cap] with sum m_i = n_roots maximising
+    sum V_root(v_i, m_i), by dynamic programming over the budget (TRACE_SPEC: a plain greedy is not
+    exact because of the first block of `min_group` rollouts).
+
+    O(P * n_roots * cap) with one vectorised step per prompt. Ties go to the smaller count for the
+    earlier prompt, so the result is a deterministic function of the input order.
+
+    Example: v = [0.5, 0.9, 0.5], n_roots = 4, min_group = 2 -> [2, 0, 2]
+    (two groups of 2 at v = 0.5 give 0.5 + 0.5; a group of 4 at v = 0.5 gives only 0.875).
+    """
+    v = np.clip(np.asarray(predicted, dtype=np.float64), PROB_EPS, 1.0 - PROB_EPS)  # [P]
+    cap = n_roots if max_per_prompt is None else min(max_per_prompt, n_roots)
+    _check_root_budget(len(v), n_roots, min_group, cap)
+    sizes = np.concatenate([[0], np.arange(min_group, cap + 1)])  # [S]
+    gains = v_root(v[:, None], sizes[None, :])  # [P, S]
+    budget_idx = np.arange(n_roots + 1)  # [B]
+    prev = budget_idx[None, :] - sizes[:, None]  # [S, B] budget before adding this prompt
+    valid = prev >= 0
+    best = np.full(n_roots + 1, -np.inf)  # best[b]: max objective using exactly b rollouts so far
+    best[0] = 0.0
+    choice = np.zeros((len(v), n_roots + 1), dtype=np.int64)  # [P, B] index into sizes
+    for i in range(len(v)):
+        cand = np.where(valid, best[np.maximum(prev, 0)] + gains[i][:, None], -np.inf)  # [S, B]
+        choice[i] = cand.argmax(axis=0)
+        best = cand.max(axis=0)
+    if not np.isfinite(best[n_roots]):
+        raise BudgetError(
+            f"cannot split {n_roots} root rollouts into groups of {min_group}..{cap} over {len(v)} "
+            "prompts; change budget.leaves or allocator.max_per_prompt"
+        )
+    counts = np.zeros(len(v), dtype=np.int64)
+    b = n_roots
+    for i in range(len(v) - 1, -1, -1):
+        counts[i] = sizes[choice[i, b]]
+        b -= counts[i]
+    return counts
+
+
+def _check_root_budget(pool: int, n_roots: int, min_group: int, cap: int) -> None:
+    if min_group < 1:
+        raise BudgetError(f"allocator.min_group={min_group} must be >= 1")
+    if n_roots < min_group:
+        raise BudgetError(
+            f"{n_roots} root rollouts is less than one minimal group (allocator.min_group="
+            f"{min_group}); raise budget.leaves or lower allocator.expansion"
+        )
+    if pool * cap < n_roots:
+        raise BudgetError(
+            f"candidate pool of {pool} prompts x allocator.max_per_prompt={cap} < {n_roots} root "
+            "rollouts; raise data.pool_size or allocator.max_per_prompt"
+        )
+
+
+# --------------------------------------------------------------------------- Stage 2: prefixes
+
+
+@dataclass(frozen=True)
+class PrefixCandidate:
+    """A non-leaf turn prefix of a bare rollout: where a continuation may start."""
+
+    node_id: int
+    success: bool  # outcome of the bare rollout this prefix lies on (r_ij)
+    predicted: float  # Ṽ(H_ijt)
+
+
+def repeat_prob(candidates: Sequence[PrefixCandidate]) -> np.ndarray:
+    """q = r V + (1 - r)(1 - V): P(a continuation repeats the bare rollout's outcome).  # [C]"""
+    v = np.clip([c.predicted for c in candidates], PROB_EPS, 1.0 - PROB_EPS)
+    r = np.array([c.success for c in candidates], dtype=np.float64)
+    return np.asarray(r * v + (1.0 - r) * (1.0 - v), dtype=np.float64)
+
+
+def solve_prefixes(q: np.ndarray, budget: int) -> np.ndarray:
+    """Exact Stage 2 for one prompt: k_c >= 0 with sum k_c = budget maximising sum (1 - q_c^k_c).
+
+    The k-th continuation at c gains q^(k-1)(1 - q), decreasing in k, so taking the best marginal
+    gain each time (a heap) is optimal. Ties go to the lower candidate index.
+    """
+    counts = np.zeros(len(q), dtype=np.int64)
+    if budget <= 0 or len(q) == 0:
+        return counts
+    heap = [(-(1.0 - float(qc)), c) for c, qc in enumerate(q)]
+    heapq.heapify(heap)
+    for _ in range(budget):
+        _, c = heapq.heappop(heap)
+        counts[c] += 1
+        heapq.heappush(heap, (-(float(q[c]) ** counts[c]) * (1.0 - float(q[c])), c))
+    return counts
+
+
+# --------------------------------------------------------------------------- rules and allocators
+
+
+class RootRule(Protocol):
+    def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
+        """Bare rollouts per candidate prompt.  # [P] int, sums to n_roots"""
+        ...
+
+
+class PrefixRule(Protocol):
+    def __call__(
+        self, candidates: Sequence[PrefixCandidate], budget: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Continuations per candidate prefix of one prompt.  # [C] int, sums to budget"""
+        ...
+
+
+@dataclass(frozen=True)
+class UniformRoots:
+    """GRPO: `n_roots / group_size` prompts drawn uniformly from the pool, `group_size` each."""
+
+    group_size: int = 4
+
+    def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
+        chosen = rng.choice(
+            len(predicted), size=_n_groups(len(predicted), n_roots, self.group_size), replace=False
+        )
+        counts = np.zeros(len(predicted), dtype=np.int64)
+        counts[chosen] = self.group_size
+        return counts
+
+
+@dataclass(frozen=True)
+class ClosestToHalfRoots:
+    """PCL: the prompts whose predicted success is closest to 0.5, `group_size` rollouts each."""
+
+    group_size: int = 4
+
+    def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
+        n = _n_groups(len(predicted), n_roots, self.group_size)
+        order = np.lexsort((np.arange(len(predicted)), np.abs(np.asarray(predicted) - 0.5)))
+        counts = np.zeros(len(predicted), dtype=np.int64)
+        counts[order[:n]] = self.group_size
+        return counts
+
+
+@dataclass(frozen=True)
+class ActiveRoots:
+    """TRACE Stage 1: the exact V_root optimum (`solve_roots`)."""
+
+    min_group: int = 2
+    max_per_prompt: int | None = 16
+
+    def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
+        return solve_roots(predicted, n_roots, self.min_group, self.max_per_prompt)
+
+
+@dataclass(frozen=True)
+class RandomPrefixes:
+    """TreePO / Tree-GRPO style: each continuation starts at a uniformly random candidate prefix."""
+
+    def __call__(
+        self, candidates: Sequence[PrefixCandidate], budget: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        if not candidates:
+            return np.zeros(0, dtype=np.int64)
+        return np.bincount(rng.integers(len(candidates), size=budget), minlength=len(candidates))
+
+
+@dataclass(frozen=True)
+class ActivePrefixes:
+    """TRACE Stage 2: the exact V_pref optimum (`solve_prefixes`)."""
+
+    def __call__(
+        self, candidates: Sequence[PrefixCandidate], budget: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        return solve_prefixes(repeat_prob(candidates), budget)
+
+
+def _n_groups(pool: int, n_roots: int, group_size: int) -> int:
+    if group_size < 1:
+        raise BudgetError(f"allocator.group_size={group_size} must be >= 1")
+    if n_roots % group_size:
+        raise BudgetError(
+            f"{n_roots} root rollouts is not a multiple of allocator.group_size={group_size}; "
+            "make budget.leaves a multiple of group_size * (1 + expansion)"
+        )
+    if n_roots // group_size > pool:
+        raise BudgetError(
+            f"{n_roots // group_size} groups of {group_size} need that many prompts but the candidate "
+            f"pool has {pool}; raise data.pool_size or lower budget.leaves"
+        )
+    return n_roots // group_size
+
+
+@dataclass(frozen=True)
+class TreeAllocator:
+    """A root rule, an optional prefix rule and the continuation multiplier N (`expansion`)."""
+
+    name: str
+    roots: RootRule
+    prefixes: PrefixRule | None = None
+    expansion: int = 0
+
+    def __post_init__(self) -> None:
+        if self.expansion < 0:
+            raise BudgetError(f"allocator.expansion={self.expansion} must be >= 0")
+        if (self.expansion > 0) != (self.prefixes is not None):
+            raise BudgetError(
+                f"allocator {self.name}: expansion={self.expansion} needs a prefix rule exactly when "
+                "expansion > 0; set allocator.expansion or allocator.prefixes"
+            )
+
+    def n_roots(self, budget: Budget) -> int:
+        """M = L / (1 + N): bare rollouts, so that M (1 + N) leaves are spent in all."""
+        if budget.leaves % (1 + self.expansion):
+            raise BudgetError(
+                f"budget.leaves={budget.leaves} is not a multiple of 1 + allocator.expansion="
+                f"{1 + self.expansion}; every allocator must spend exactly the same leaves"
+            )
+        return budget.leaves // (1 + self.expansion)
+
+    def allocate_roots(self, predicted: np.ndarray, budget: Budget, rng: np.random.Generator) -> np.ndarray:
+        counts = self.roots(np.asarray(predicted, dtype=np.float64), self.n_roots(budget), rng)
+        assert counts.sum() == self.n_roots(budget), f"{self.name}: root rule broke the budget"
+        return counts
+
+    def allocate_prefixes(
+        self, candidates: Sequence[PrefixCandidate], n_bare: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Continuations per candidate of one prompt with `n_bare` bare rollouts: m_i * N in all."""
+        if self.prefixes is None or not candidates:
+            return np.zeros(len(candidates), dtype=np.int64)
+        counts = self.prefixes(candidates, n_bare * self.expansion, rng)
+        assert counts.sum() == n_bare * self.expansion, f"{self.name}: prefix rule broke the budget"
+        return counts
+
+
+# The named allocators of the paper's comparison (Hydra configs point `_target_` at these).
+
+
+def uniform(group_size: int = 4) -> TreeAllocator:
+    return TreeAllocator("uniform", UniformRoots(group_size))
+
+
+def pcl(group_size: int = 4) -> TreeAllocator:
+    return TreeAllocator("pcl", ClosestToHalfRoots(group_size))
+
+
+def random_expand(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
+    return TreeAllocator("random_expand", UniformRoots(group_size), RandomPrefixes(), expansion)
+
+
+def trace(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
+    return TreeAllocator("trace", ActiveRoots(min_group, max_per_prompt), ActivePrefixes(), expansion)
+
+
+def trace_root_only(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
+    """Table 1 "active root / uniform prefix"."""
+    return TreeAllocator(
+        "trace_root_only", ActiveRoots(min_group, max_per_prompt), RandomPrefixes(), expansion
+    )
+
+
+def trace_prefix_only(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
+    """Table 1 "uniform root / active prefix"."""
+    return TreeAllocator("trace_prefix_only", UniformRoots(group_size), ActivePrefixes(), expansion)
+
+
+# --------------------------------------------------------------------------- cold start
+
+
+@dataclass
+class BetaPrior:
+    """Per-prompt Beta(alpha, beta) posterior of the success rate: the allocation signal for the
+    first `warmup` iterations, before the learned predictor has seen any tree targets.
+
+    For prefixes the prior has no information beyond the prompt, so a prefix gets its prompt's mean.
+    """
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    warmup: int = 1
+    counts: dict[int, tuple[int, int]] = field(default_factory=dict)  # task_id -> (succ, fail)
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0 or self.beta <= 0:
+            raise ValueError(f"cold_start.alpha={self.alpha}, beta={self.beta}: both must be > 0")
+        if self.warmup < 0:
+            raise ValueError(f"cold_start.warmup={self.warmup} must be >= 0 (0 disables the prior)")
+
+    def active(self, iteration: int) -> bool:
+        return iteration < self.warmup
+
+    def mean(self, task_ids: Sequence[int]) -> np.ndarray:
+        s, f = np.array([self.counts.get(t, (0, 0)) for t in task_ids], dtype=np.float64).reshape(-1, 2).T
+        return np.asarray((self.alpha + s) / (self.alpha + self.beta + s + f), dtype=np.float64)
+
+    def update(self, task_id: int, successes: int, failures: int) -> None:
+        s, f = self.counts.get(task_id, (0, 0))
+        self.counts[task_id] = (s + successes, f + failures)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"counts": {str(k): list(v) for k, v in self.counts.items()}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        counts = state["counts"]
+        assert isinstance(counts, dict)
+        self.counts = {int(k): (int(v[0]), int(v[1])) for k, v in counts.items()}

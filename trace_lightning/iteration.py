@@ -1,0 +1,107 @@
+"""One TRACE iteration of tree building, independent of what generates the turns.
+
+    candidate pool -> score roots -> Stage 1 counts -> bare rollouts
+                   -> score prefixes -> Stage 2 counts per prompt -> continuations
+
+The episode runner (an LLM through a generation engine, or the synthetic simulator) and the scorer
+(the learned predictor, a cold-start prior, or an oracle) are plugged in as callables, so the
+benchmark and the training DataModule run the very same allocation path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from trace_lightning.allocation import Budget, BudgetLedger, PrefixCandidate, TreeAllocator
+from trace_lightning.tree import RolloutTree, Stage, backup
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Run `count` episodes, each continuing from node `node_id` of `tree` to termination."""
+
+    tree: RolloutTree
+    node_id: int
+    count: int
+    stage: Stage
+
+
+class EpisodeRunner(Protocol):
+    def __call__(self, branches: Sequence[Branch], ledger: BudgetLedger, rng: np.random.Generator) -> None:
+        """Append each branch's episodes to its tree, charging generated tokens to the ledger."""
+        ...
+
+
+class Scorer(Protocol):
+    def __call__(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Predicted success probability of each requested prefix, one array per tree."""
+        ...
+
+
+@dataclass
+class Iteration:
+    """What one iteration built: the trees of the prompts that got rollouts, and what it spent."""
+
+    trees: list[RolloutTree]
+    ledger: BudgetLedger
+    pool_predicted: np.ndarray  # [P] root predictions over the whole candidate pool
+    root_counts: np.ndarray  # [P] bare rollouts per candidate (0 = skipped)
+
+
+def build_trees(
+    pool: Sequence[RolloutTree],
+    allocator: TreeAllocator,
+    budget: Budget,
+    score: Scorer,
+    run: EpisodeRunner,
+    rng: np.random.Generator,
+) -> Iteration:
+    """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`."""
+    ledger = BudgetLedger(budget)
+    predicted = np.concatenate(score(pool, [[0]] * len(pool))) if pool else np.zeros(0)
+    counts = allocator.allocate_roots(predicted, budget, rng)
+    trees = [tree for tree, m in zip(pool, counts, strict=True) if m > 0]
+    for tree, v in zip(pool, predicted, strict=True):
+        tree.root.predicted = float(v)
+    active_counts = counts[counts > 0]
+    ledger.reserve_leaves(int(active_counts.sum()), "bare")
+    run([Branch(t, 0, int(m), "bare") for t, m in zip(trees, active_counts, strict=True)], ledger, rng)
+    if allocator.expansion > 0:
+        _expand(trees, active_counts, allocator, score, run, ledger, rng)
+    return Iteration(trees, ledger, predicted, counts)
+
+
+def prefix_candidates(tree: RolloutTree) -> list[int]:
+    """Non-leaf turn prefixes (depth >= 1): where Stage 2 may start a continuation."""
+    return [n.id for n in tree.nodes if n.depth >= 1 and n.reward is None]
+
+
+def _expand(
+    trees: list[RolloutTree],
+    n_bare: np.ndarray,
+    allocator: TreeAllocator,
+    score: Scorer,
+    run: EpisodeRunner,
+    ledger: BudgetLedger,
+    rng: np.random.Generator,
+) -> None:
+    """Stage 2: score every candidate prefix, then split m_i * N continuations within each prompt."""
+    node_ids = [prefix_candidates(t) for t in trees]
+    scores = score(trees, node_ids) if trees else []
+    branches = []
+    for tree, nodes, v, m in zip(trees, node_ids, scores, n_bare, strict=True):
+        won = backup(tree).successes  # each bare prefix has exactly one leaf below it: its rollout
+        for n, p in zip(nodes, v, strict=True):
+            tree.nodes[n].predicted = float(p)
+        cands = [PrefixCandidate(n, bool(won[n] > 0), float(p)) for n, p in zip(nodes, v, strict=True)]
+        if not cands:  # every bare rollout ended after one turn: the prompt is the only prefix left
+            branches.append(Branch(tree, 0, int(m) * allocator.expansion, "expand"))
+            continue
+        ks = allocator.allocate_prefixes(cands, int(m), rng)
+        branches += [Branch(tree, c.node_id, int(k), "expand") for c, k in zip(cands, ks, strict=True) if k]
+    ledger.reserve_leaves(sum(b.count for b in branches), "expand")
+    run(branches, ledger, rng)
