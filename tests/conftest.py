@@ -1,0 +1,26 @@
+"""Shared fixtures: one tiny random Qwen3 per session, loaded fresh per test.
+
+The environment variables are set at import so that everything later in the session runs offline and
+without OpenMP busy-waiting (which slows torch 20-100x when processes share cores).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from trace_lightning.models import build_tiny_model, load_policy
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture
+def tiny_policy(tiny_model_dir: str):
+    """(model, tokenizer), loaded per test (~20 ms) so a test may train or edit it freely."""
+    return load_policy(tiny_model_dir)

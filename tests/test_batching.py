@@ -1,0 +1,86 @@
+import numpy as np
+import pytest
+import torch
+
+from trace_lightning.batching import collate, leaf_sequences, node_advantages
+from trace_lightning.tree import RolloutTree
+
+
+def two_trees() -> list[RolloutTree]:
+    """Tree 0: root -> a -> b (1), a -> c (0, expand), root -> d (0). Tree 1: one leaf (1)."""
+    t = RolloutTree(task_id=0, prompt_ids=[100, 101])
+    a = t.add_turn(0, "bare", [1, 2], [3])
+    t.finish(t.add_turn(a, "bare", [4], []), 1.0, "answer")
+    t.finish(t.add_turn(0, "bare", [5], []), 0.0, "answer")
+    t.finish(t.add_turn(a, "expand", [8, 9], []), 0.0, "answer")
+    u = RolloutTree(task_id=1, prompt_ids=[102])
+    u.finish(u.add_turn(0, "bare", [6], []), 1.0, "answer")
+    return [t, u]
+
+
+def test_grpo_node_advantages_by_hand():
+    # tree 0 leaves (ids 2, 3, 4) rewards 1, 0, 0: mean 1/3, unbiased std sqrt(1/3)
+    # -> b = (2/3)/0.57735 = 1.1547, d = c = -0.57735; node a = mean(b, c) = 0.2887
+    a0, a1 = node_advantages(two_trees(), "grpo")
+    s = np.sqrt(1 / 3) + 1e-6
+    np.testing.assert_allclose(a0[2], (2 / 3) / s, rtol=1e-5)
+    np.testing.assert_allclose(a0[[3, 4]], [-(1 / 3) / s] * 2, rtol=1e-5)
+    np.testing.assert_allclose(a0[1], ((2 / 3) / s - (1 / 3) / s) / 2, rtol=1e-5)
+    assert a1.tolist() == [0.0, 0.0]  # a single-leaf group has no contrast
+
+
+def test_tree_grpo_local_group_is_the_bare_rollout_subtree():
+    a0, _ = node_advantages(two_trees(), "tree_grpo")
+    g, _ = node_advantages(two_trees(), "grpo")
+    # local groups: {b, c} under a (rewards 1, 0: +-0.7071), {d} alone (0)
+    assert a0[2] == pytest.approx(g[2] + 0.70710, abs=1e-4)
+    assert a0[4] == pytest.approx(g[4] - 0.70710, abs=1e-4)
+    assert a0[3] == pytest.approx(g[3])
+
+
+def test_tree_segment_uses_backed_up_values():
+    a0, _ = node_advantages(two_trees(), "tree_segment")
+    # V̂: root 1/3, a 1/2, b 1, d 0, c 0. A(b) = (1 - 1/2) + (1 - 1/3) = 7/6
+    assert a0[2] == pytest.approx(7 / 6)
+    assert a0[1] == pytest.approx((0.5 - 1 / 3) * 2)
+    assert a0[0] == 0.0
+
+
+def test_unknown_estimator_is_a_clear_error():
+    with pytest.raises(ValueError, match="advantage.estimator"):
+        node_advantages(two_trees(), "ppo")
+
+
+def test_each_action_token_is_trained_exactly_once_and_observations_never():
+    trees = two_trees()
+    seqs = leaf_sequences(trees, node_advantages(trees, "tree_segment"))
+    assert [(s.tree_index, s.leaf) for s in seqs] == [(0, 2), (0, 3), (0, 4), (1, 1)]
+    b, d, c = seqs[0], seqs[1], seqs[2]
+    assert b.token_ids == [100, 101, 1, 2, 3, 4]
+    assert b.loss_mask == [0, 0, 1, 1, 0, 1]  # prompt and observation masked; a owned by leaf b
+    assert c.token_ids == [100, 101, 1, 2, 3, 8, 9]
+    assert c.loss_mask == [0, 0, 0, 0, 0, 1, 1]  # a is context only here: trained once, in b
+    assert d.loss_mask == [0, 0, 1]
+    trained = sum(sum(s.loss_mask) for s in seqs)
+    assert trained == sum(len(n.action_ids) for t in trees for n in t.nodes)
+
+
+def test_predictor_targets_read_at_prefix_ends_once():
+    trees = two_trees()
+    seqs = leaf_sequences(trees, node_advantages(trees, "grpo"))
+    b = seqs[0]
+    # root target at the last prompt token (1), prefix a at the end of its observation (4)
+    assert b.pred_positions == [1, 4]
+    assert b.pred_targets == pytest.approx([1 / 3, 0.5])
+    assert b.pred_weights == [3.0, 2.0]
+    assert sum(len(s.pred_positions) for s in seqs) == 3  # root 0, a, root 1: each once
+
+
+def test_collate_pads_right_and_keeps_targets_aligned():
+    trees = two_trees()
+    seqs = leaf_sequences(trees, node_advantages(trees, "grpo"))
+    batch = collate(seqs, pad_id=0)
+    assert batch.input_ids.shape == (4, 7)
+    assert batch.attention_mask.sum().item() == sum(len(s.token_ids) for s in seqs)
+    assert batch.input_ids[batch.pred_rows, batch.pred_cols].tolist() == [101, 3, 102]
+    assert torch.all(batch.advantages[batch.loss_mask == 0] == 0)

@@ -1,0 +1,167 @@
+"""From an iteration's trees to typed training batches.
+
+1. Node advantages for every tree with one estimator (`advantages.py`), under the once-per-node rule
+   of `tree.py`: leaf-level estimators hand each node the mean advantage of the leaves below it.
+2. One sequence per leaf: the full token path root -> leaf. Its loss mask covers the action tokens of
+   the nodes that this leaf owns (each node is owned by exactly one leaf), and its predictor targets
+   are the prefixes it owns, read at the last token of each prefix.
+3. Right-padded micro-batches (`RolloutBatch`); old log-probs are filled in by the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from trace_lightning import advantages as adv
+from trace_lightning.tree import RolloutTree, backup, predictor_targets
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment"]
+ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment")
+
+
+@dataclass(frozen=True)
+class LeafSequence:
+    tree_index: int
+    leaf: int
+    token_ids: list[int]  # [T] prompt and every turn down to the leaf
+    loss_mask: list[int]  # [T] 1 on the action tokens of the nodes this leaf owns
+    advantages: list[float]  # [T] the owning node's advantage on those tokens, 0 elsewhere
+    pred_positions: list[int]  # [K] last token of each prefix whose target this sequence carries
+    pred_targets: list[float]  # [K] V̂ of those prefixes
+    pred_weights: list[float]  # [K] their leaf counts
+
+
+@dataclass
+class RolloutBatch:
+    """One micro-batch of leaf sequences, right-padded."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] trainable action tokens
+    advantages: torch.Tensor  # [B, T]
+    old_logprobs: torch.Tensor  # [B, T] log pi_old(token_t | tokens_<t); 0 at t = 0 and on padding
+    pred_rows: torch.Tensor  # [K] sequence index of each predictor target
+    pred_cols: torch.Tensor  # [K] token position of each predictor target
+    pred_targets: torch.Tensor  # [K]
+    pred_weights: torch.Tensor  # [K]
+
+
+def _forest(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Concatenated parents (offset, -1 at roots), per-node tree index and node offsets per tree."""
+    offsets = np.cumsum([0, *(len(t.nodes) for t in trees)])
+    parents = np.concatenate(
+        [np.where(t.parents() >= 0, t.parents() + o, -1) for t, o in zip(trees, offsets, strict=False)]
+    )
+    tree_of = np.concatenate([np.full(len(t.nodes), i) for i, t in enumerate(trees)])
+    return parents, tree_of, offsets
+
+
+def node_advantages(trees: Sequence[RolloutTree], estimator: Estimator) -> list[np.ndarray]:
+    """Advantage of every node of every tree (one array per tree, root = 0)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage.estimator={estimator!r} is unknown; use one of {list(ESTIMATORS)}")
+    if not trees:
+        return []
+    parents, tree_of, offsets = _forest(trees)
+    backups = [backup(t) for t in trees]
+    if estimator == "tree_segment":
+        values = torch.tensor(np.concatenate([b.value for b in backups]))
+        roots = torch.tensor(offsets[tree_of])
+        leaves = torch.tensor(np.concatenate([b.leaves for b in backups]))
+        flat = adv.tree_segment(values, torch.tensor(parents), roots, leaves)
+    else:
+        leaf_ids = np.concatenate(
+            [np.array(t.leaves(), dtype=np.int64) + o for t, o in zip(trees, offsets, strict=False)]
+        )
+        rewards = torch.tensor(
+            [n.reward for t in trees for n in t.nodes if n.reward is not None], dtype=torch.float64
+        )
+        groups = torch.tensor(tree_of[leaf_ids])
+        if estimator == "tree_grpo":
+            leaf_adv = adv.tree_grpo(rewards, torch.tensor(_depth_one_ancestor(parents, leaf_ids)), groups)
+        else:
+            leaf_adv = {"grpo": adv.grpo, "dr_grpo": adv.dr_grpo, "rloo": adv.rloo}[estimator](
+                rewards, groups
+            )
+        flat = adv.node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv)
+    flat_np = flat.numpy()
+    return [flat_np[offsets[i] : offsets[i + 1]] for i in range(len(trees))]
+
+
+def _depth_one_ancestor(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """The first-turn node above each node: which bare rollout (or root continuation) it descends from."""
+    out = nodes.copy()
+    while True:
+        up = parents[out]
+        climbing = (up >= 0) & (parents[np.maximum(up, 0)] >= 0)
+        if not climbing.any():
+            return out
+        out = np.where(climbing, up, out)
+
+
+def leaf_sequences(trees: Sequence[RolloutTree], node_adv: Sequence[np.ndarray]) -> list[LeafSequence]:
+    out = []
+    for ti, (tree, a) in enumerate(zip(trees, node_adv, strict=True)):
+        owner = tree.owner_leaf()
+        targets = predictor_targets(tree)
+        target_of = {
+            int(n): (float(v), float(w))
+            for n, v, w in zip(targets.node_ids, targets.values, targets.leaf_counts, strict=True)
+        }
+        for leaf in tree.leaves():
+            out.append(_sequence(tree, ti, leaf, owner, a, target_of))
+    return out
+
+
+def _sequence(
+    tree: RolloutTree,
+    ti: int,
+    leaf: int,
+    owner: np.ndarray,
+    a: np.ndarray,
+    target_of: dict[int, tuple[float, float]],
+) -> LeafSequence:
+    ids, mask, advs = list(tree.prompt_ids), [0] * len(tree.prompt_ids), [0.0] * len(tree.prompt_ids)
+    positions, targets, weights = [], [], []
+
+    def add_target(node: int) -> None:
+        if owner[node] == leaf and node in target_of:
+            positions.append(len(ids) - 1)
+            targets.append(target_of[node][0])
+            weights.append(target_of[node][1])
+
+    add_target(0)
+    for n in tree.path(leaf):
+        node = tree.nodes[n]
+        owned = owner[n] == leaf
+        ids += node.action_ids + node.obs_ids
+        mask += [int(owned)] * len(node.action_ids) + [0] * len(node.obs_ids)
+        advs += [float(a[n]) if owned else 0.0] * len(node.action_ids) + [0.0] * len(node.obs_ids)
+        add_target(n)
+    return LeafSequence(ti, leaf, ids, mask, advs, positions, targets, weights)
+
+
+def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:
+    """Right-pad a list of sequences into one micro-batch."""
+    width = max(len(s.token_ids) for s in seqs)
+
+    def pad(rows: list[list[float]] | list[list[int]], value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+    rows = [i for i, s in enumerate(seqs) for _ in s.pred_positions]
+    return RolloutBatch(
+        input_ids=pad([s.token_ids for s in seqs], pad_id, torch.long),
+        attention_mask=pad([[1] * len(s.token_ids) for s in seqs], 0, torch.long),
+        loss_mask=pad([s.loss_mask for s in seqs], 0, torch.long),
+        advantages=pad([s.advantages for s in seqs], 0.0, torch.float32),
+        old_logprobs=torch.zeros(len(seqs), width),
+        pred_rows=torch.tensor(rows, dtype=torch.long),
+        pred_cols=torch.tensor([p for s in seqs for p in s.pred_positions], dtype=torch.long),
+        pred_targets=torch.tensor([t for s in seqs for t in s.pred_targets], dtype=torch.float32),
+        pred_weights=torch.tensor([w for s in seqs for w in s.pred_weights], dtype=torch.float32),
+    )

@@ -1,0 +1,67 @@
+"""The `GenerationEngine` protocol every engine implements (transformers now, vLLM later).
+
+Tokens in, tokens out: prompts are token id lists (the full prefix H_t of a branch), completions
+are the generated token ids with their log-probabilities. Nothing here decodes and re-encodes what
+the policy wrote; text is derived from tokens only to parse actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one turn is sampled. `stop` strings end the turn and are kept in the output."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"engine.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"engine.temperature={self.temperature} must be > 0 (sampling is required for RL)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"engine.top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    token_ids: list[int]  # generated tokens, including a matched stop string and the EOS token if emitted
+    logprobs: list[float]  # log pi(token | prefix) at the sampling temperature, one per token
+    finish_reason: FinishReason  # "stop": a stop string matched; "eos": EOS emitted; "length": max_new_tokens
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine accumulates; callers read and reset them once per iteration."""
+
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually run through the model
+    reused_prefill_tokens: int = 0  # prompt tokens served from a shared-prefix cache instead
+    calls: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class GenerationEngine(Protocol):
+    stats: EngineStats
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, in order. Identical prompts (several continuations from the same
+        tree node) should share their prefill."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the policy's current weights (after an optimizer step)."""
+        ...

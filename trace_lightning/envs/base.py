@@ -1,0 +1,48 @@
+"""The `Environment` protocol: tasks, a verifier, tools, and re-enterable state.
+
+Environments are functional: `step(task, state, action_text)` returns the next state instead of
+mutating one, so a tree node can keep the state it had (a snapshot) and a continuation branched from
+that node starts from exactly that state. States must be immutable values (tuples, frozen
+dataclasses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt of a task set."""
+
+    task_id: int
+    question: str  # the user message
+    answer: tuple[str, ...]  # accepted answers (the verifier's ground truth)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What the environment returns after one policy turn."""
+
+    observation: str  # text appended as the environment's reply (masked from every loss); "" when done
+    done: bool
+    reward: float | None  # set when done: 1.0 success, 0.0 failure, or a bounded score in [0, 1]
+    stop_reason: str | None  # set when done, e.g. "answer"
+    state: Any  # the environment state after this turn
+    format_error: bool = False  # the turn had no parseable action (an error observation explains why)
+    tool: str | None = None  # the tool called this turn, if any
+    tool_error: bool = False  # the tool was called but failed (bad argument, crash, timeout)
+
+
+class Environment(Protocol):
+    name: str
+    system_prompt: str  # describes the tools and the action format to the policy
+    stop_strings: tuple[str, ...]  # closing action tags: generation of a turn stops at the first one
+
+    def tasks(self) -> Sequence[Task]: ...
+
+    def initial_state(self, task: Task) -> Any: ...
+
+    def step(self, task: Task, state: Any, action_text: str) -> Transition: ...

@@ -1,0 +1,263 @@
+"""Arithmetic word problems with a calculator tool: seeded generated problems or GSM8K.
+
+The calculator walks the expression's `ast` and evaluates only numbers and arithmetic operators, so
+model text is never handed to `eval`. Sizes are bounded at every node (exponent, magnitude, length),
+so no expression can hang the process or exhaust memory.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import random
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from trace_lightning.envs.actions import ActionError, parse_action
+from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.scoring import numbers_match
+
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 100
+MAX_MAGNITUDE = 1e15
+
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+class CalculatorError(ValueError):
+    """The expression is not plain bounded arithmetic; the message is shown to the model."""
+
+
+def safe_calculate(expr: str) -> str:
+    """Evaluate `expr` as arithmetic and format the result ("12*7" -> "84", "1/3" -> "0.333333").
+
+    Forgiving of how people write sums: "$", thousands commas, "×", "÷" and "^" (as power) are
+    accepted. Raises `CalculatorError` for anything else.
+    """
+    if len(expr) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    text = _THOUSANDS_COMMA.sub("", expr.replace("$", "")).strip()
+    text = text.replace("×", "*").replace("÷", "/").replace("^", "**")
+    if not text:
+        raise CalculatorError("empty expression")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise CalculatorError("not a valid arithmetic expression") from None
+    return _format(_evaluate(tree.body))
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CalculatorError("only numbers are allowed")
+        return _bounded(value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _bounded(_UNARY[type(node.op)](_evaluate(node.operand)))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise CalculatorError(f"exponent larger than {MAX_EXPONENT}")
+        try:
+            result = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise CalculatorError("division by zero") from None
+        except OverflowError:
+            raise CalculatorError("result too large") from None
+        return _bounded(result)
+    raise CalculatorError(f"unsupported element {type(node).__name__}: use numbers and + - * / // % ** ( )")
+
+
+def _bounded(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):  # e.g. (-8) ** 0.5 is complex
+        raise CalculatorError("result is not a real number")
+    if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+        raise CalculatorError(f"number larger than {MAX_MAGNITUDE:.0e}")
+    return value
+
+
+def _format(value: float) -> str:
+    if isinstance(value, int) or value.is_integer():
+        return str(int(value))
+    fixed = f"{value:.6f}".rstrip("0").rstrip(".")
+    return fixed if fixed not in ("0", "-0") else f"{value:.6g}"
+
+
+_NAMES = ("Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Ivy", "Max", "Eva")
+_ITEMS = ("apples", "books", "coins", "marbles", "stickers", "pencils", "cookies", "cards")
+# difficulty -> (operations in the story, operand range, multiplier range, allowed operations)
+_LEVELS = {
+    1: (1, (2, 20), (2, 3), ("add", "sub")),
+    2: (2, (5, 60), (2, 5), ("add", "sub", "mul")),
+    3: (3, (20, 200), (2, 9), ("add", "sub", "mul", "div")),
+}
+
+
+def generate_problems(n: int, difficulty: int = 1, seed: int = 0) -> list[tuple[str, str]]:
+    """`n` seeded word problems with exact non-negative integer answers, as (question, gold).
+
+    Difficulty 1 is one addition or subtraction of numbers up to 20 ("Tom has 12 apples and buys 7
+    more."); 2 chains two steps with numbers up to 60 and multiplication; 3 chains three steps with
+    numbers up to 200 and exact division.
+    """
+    if difficulty not in _LEVELS:
+        raise ValueError(f"env.difficulty must be one of {sorted(_LEVELS)}, got {difficulty}")
+    rng = random.Random(seed)
+    return [_problem(rng, difficulty) for _ in range(n)]
+
+
+def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
+    steps, (low, high), (k_low, k_high), ops = _LEVELS[difficulty]
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    value = rng.randint(low, high)
+    sentences = [f"{name} has {value} {item}."]
+    for _ in range(steps):
+        op = rng.choice(ops)
+        divisors = [k for k in range(k_low, k_high + 1) if value % k == 0]
+        if op == "div" and not divisors:
+            op = "mul"
+        if op == "sub" and value < 2:
+            op = "add"
+        if op == "add":
+            b = rng.randint(low, high)
+            value, text = value + b, f"Then {name} buys {b} more."
+        elif op == "sub":
+            b = rng.randint(1, min(high, value - 1))
+            value, text = value - b, f"Then {name} gives away {b}."
+        elif op == "mul":
+            k = rng.randint(k_low, k_high)
+            value, text = value * k, f"Then {name} ends up with {k} times as many."
+        else:
+            k = rng.choice(divisors)
+            value, text = (
+                value // k,
+                f"Then {name} splits them into {k} equal groups and keeps one group.",
+            )
+        sentences.append(text)
+    sentences.append(f"How many {item} does {name} have now?")
+    return " ".join(sentences), str(value)
+
+
+def strip_annotations(solution: str) -> str:
+    """GSM8K solutions carry calculator annotations: "48/2 = <<48/2=24>>24" -> "48/2 = 24"."""
+    return re.sub(r"<<[^<>]*>>", "", solution)
+
+
+def parse_gsm8k_answer(answer: str) -> tuple[str, str]:
+    """(worked solution without annotations, gold number) from a GSM8K answer ending "#### 72"."""
+    if "####" not in answer:
+        raise ValueError("GSM8K answer has no '#### <number>' line")
+    solution, _, gold = answer.rpartition("####")
+    gold = gold.strip().replace(",", "")
+    if not gold:
+        raise ValueError("GSM8K answer has an empty '####' line")
+    return strip_annotations(solution).strip(), gold
+
+
+def load_gsm8k(path: str | Path | None, limit: int) -> list[tuple[str, str]]:
+    """(question, gold) pairs from the first `limit` lines of a GSM8K jsonl file."""
+    if path is None:
+        raise ValueError("env.gsm8k_path is not set: point it at a GSM8K jsonl file (source='gsm8k')")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"env.gsm8k_path={str(path)!r} is not a file (GSM8K jsonl expected)")
+    problems: list[tuple[str, str]] = []
+    with file.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if len(problems) == limit:
+                break
+            if line.strip():
+                problems.append(_gsm8k_record(line, f"env.gsm8k_path={str(path)!r} line {number}"))
+    if not problems:
+        raise ValueError(f"env.gsm8k_path={str(path)!r} holds no problems")
+    return problems
+
+
+def _gsm8k_record(line: str, where: str) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+        return str(record["question"]).strip(), parse_gsm8k_answer(str(record["answer"]))[1]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"{where}: not a GSM8K record {{'question', 'answer': '... #### N'}} ({err})"
+        ) from err
+
+
+SYSTEM_PROMPT = (
+    "Solve the math problem. Think step by step, then end your turn with exactly one action: "
+    "<calculate>expression</calculate> to compute arithmetic (numbers and + - * / ** ( ) only), or "
+    "<answer>number</answer> to give the final answer. Results come back as <observation>...</observation>."
+)
+
+
+class MathToolEnv:
+    """Word problems solved with a calculator; reward 1.0 when the answered number is the gold.
+
+    State: `(tool calls so far,)`. The episode ends on `<answer>`; the runner caps the turns.
+    """
+
+    name = "math_tool"
+    system_prompt = SYSTEM_PROMPT
+    stop_strings = ("</calculate>", "</answer>")
+    actions = ("calculate", "answer")
+
+    def __init__(
+        self,
+        source: Literal["generated", "gsm8k"] = "generated",
+        gsm8k_path: str | None = None,
+        n_tasks: int = 256,
+        difficulty: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if n_tasks < 1:
+            raise ValueError(f"env.n_tasks must be >= 1, got {n_tasks}")
+        if source == "generated":
+            problems = generate_problems(n_tasks, difficulty=difficulty, seed=seed)
+        elif source == "gsm8k":
+            problems = load_gsm8k(gsm8k_path, n_tasks)
+        else:
+            raise ValueError(f"env.source must be 'generated' or 'gsm8k', got {source!r}")
+        self._tasks = [Task(i, question, (gold,)) for i, (question, gold) in enumerate(problems)]
+
+    def tasks(self) -> Sequence[Task]:
+        return self._tasks
+
+    def initial_state(self, task: Task) -> tuple[int]:
+        return (0,)
+
+    def step(self, task: Task, state: tuple[int], action_text: str) -> Transition:
+        action = parse_action(action_text, self.actions)
+        if isinstance(action, ActionError):
+            return Transition(
+                _observe(f"error: {action.message}"), False, None, None, state, format_error=True
+            )
+        if action.name == "answer":
+            reward = float(numbers_match(action.argument, task.answer[0]))
+            return Transition("", True, reward, "answer", state, tool="answer")
+        calls = (state[0] + 1,)
+        try:
+            result = safe_calculate(action.argument)
+        except CalculatorError as err:
+            return Transition(
+                _observe(f"error: {err}"), False, None, None, calls, tool="calculate", tool_error=True
+            )
+        return Transition(_observe(f"= {result}"), False, None, None, calls, tool="calculate")
+
+
+def _observe(text: str) -> str:
+    return f"<observation>{text}</observation>"

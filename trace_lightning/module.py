@@ -1,0 +1,198 @@
+"""TraceModule: the policy (full weights or LoRA adapters) and the success predictor head.
+
+`training_step` takes one `RolloutBatch` micro-batch and returns
+    clipped surrogate (+ kl_coef * KL to the reference) + predictor_coef * predictor MSE.
+With LoRA the reference policy is the base model with the adapters disabled; with full weights it is
+a frozen copy, made only when kl_coef > 0. Gradient accumulation and precision come from the Trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trace_lightning.batching import RolloutBatch
+from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
+from trace_lightning.predictor import SuccessHead, gather_positions
+from trace_lightning.tree import RolloutTree
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+class TraceModule(L.LightningModule):
+    def __init__(
+        self,
+        model_path: str,
+        optimizer: OptimizerFactory,
+        scheduler: Callable[..., Any] | None = None,
+        adapter: Any | None = None,
+        predictor_width: int = 256,
+        predictor_lr: float = 1e-3,
+        predictor_coef: float = 1.0,
+        predictor_weighting: str = "leaves",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        dual_clip: float | None = None,
+        aggregation: Aggregation = "token-mean",
+        kl_coef: float = 0.0,
+        kl_kind: KLKind = "k3",
+        score_batch_size: int = 16,
+    ) -> None:
+        super().__init__()
+        if predictor_weighting not in ("leaves", "uniform"):
+            raise ValueError(f"module.predictor_weighting={predictor_weighting!r}: use 'leaves' or 'uniform'")
+        if kl_coef < 0:
+            raise ValueError(f"module.kl_coef={kl_coef} must be >= 0")
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "adapter"])
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.policy = self._load_policy(model_path, adapter)
+        self.reference = None
+        if kl_coef > 0 and adapter is None:  # full fine-tuning needs its own frozen reference
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        self.head = SuccessHead(self.policy.config.hidden_size, predictor_width)
+
+    @staticmethod
+    def _load_policy(path: str, adapter: Any | None) -> torch.nn.Module:
+        """`adapter` is a peft config (e.g. `peft.LoraConfig`) or None for full fine-tuning."""
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except OSError as err:
+            raise FileNotFoundError(f"model.path={path!r} is not a loadable model folder: {err}") from err
+        model.train()  # from_pretrained returns eval mode; Lightning trains in train mode (dropout stays 0)
+        if adapter is None:
+            return model
+        from peft import get_peft_model
+
+        return get_peft_model(model, adapter)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs aligned with input_ids [B, T] (0 at t = 0) and last hidden states [B, T, H]."""
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+        tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+        return torch.nn.functional.pad(tok, (1, 0)), out.hidden_states[-1]
+
+    @torch.no_grad()
+    def fill_old_logprobs(self, batch: RolloutBatch) -> None:
+        """pi_old: the same forward the first training step will run, so its ratio is exactly 1."""
+        batch.old_logprobs = self._forward(
+            self.policy, batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        )[0].cpu()
+
+    @torch.no_grad()
+    def predict_success(
+        self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
+    ) -> list[np.ndarray]:
+        """Ṽ_ψ at the requested prefixes. Prefixes on the same rollout share one forward pass over it
+        (causal attention: the state at the end of H_t has seen exactly H_t)."""
+        reads: dict[tuple[int, int], list[int]] = {}  # (tree, node whose path is run) -> prefixes read on it
+        for ti, (tree, nodes) in enumerate(zip(trees, node_ids, strict=True)):
+            owner = tree.owner_leaf()
+            for n in nodes:
+                reads.setdefault((ti, int(owner[n]) if owner[n] >= 0 else n), []).append(n)
+        jobs = [(ti, src, prefixes) for (ti, src), prefixes in reads.items()]
+        score: dict[tuple[int, int], float] = {}
+        bs = self.hparams["score_batch_size"]
+        for start in range(0, len(jobs), bs):
+            chunk = jobs[start : start + bs]
+            seqs = [trees[ti].token_ids(src) for ti, src, _ in chunk]
+            rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
+            cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
+            ids, mask = _right_pad(seqs, self.tokenizer.pad_token_id)
+            hidden = self.policy(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
+            ).hidden_states[-1]
+            logits = self.head(
+                gather_positions(
+                    hidden, torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+                )
+            )
+            keys = [(ti, n) for ti, _, prefixes in chunk for n in prefixes]
+            score.update(zip(keys, torch.sigmoid(logits).tolist(), strict=True))
+        return [
+            np.array([score[(ti, n)] for n in nodes], dtype=np.float64) for ti, nodes in enumerate(node_ids)
+        ]
+
+    # ------------------------------------------------------------------ training
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        logp, hidden = self._forward(self.policy, batch.input_ids, batch.attention_mask)
+        pg = clipped_surrogate(
+            logp,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            hp["clip_low"],
+            hp["clip_high"],
+            hp["dual_clip"],
+            hp["aggregation"],
+        )
+        loss = pg.loss
+        metrics = {
+            "train/policy_loss": pg.loss.detach(),
+            "train/clip_frac": pg.clip_frac,
+            "train/ratio_mean": pg.ratio_mean,
+            "train/approx_kl": pg.approx_kl,
+        }
+        if hp["kl_coef"] > 0:
+            kl = kl_loss(
+                logp, self._reference_logprobs(batch), batch.loss_mask, hp["kl_kind"], hp["aggregation"]
+            )
+            loss = loss + hp["kl_coef"] * kl
+            metrics["train/kl"] = kl.detach()
+        if batch.pred_targets.numel():
+            pred = torch.sigmoid(self.head(gather_positions(hidden, batch.pred_rows, batch.pred_cols)))
+            weights = batch.pred_weights if hp["predictor_weighting"] == "leaves" else None
+            pred_loss = predictor_mse(pred, batch.pred_targets, weights)
+            loss = loss + hp["predictor_coef"] * pred_loss
+            metrics["train/predictor_mse"] = pred_loss.detach()
+        metrics["train/loss"] = loss.detach()
+        self.log_dict(metrics, batch_size=batch.input_ids.shape[0])
+        return loss
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.reference is not None:
+            return self._forward(self.reference, batch.input_ids, batch.attention_mask)[0]
+        with self.policy.disable_adapter():  # LoRA: the base model is the reference
+            return self._forward(self.policy, batch.input_ids, batch.attention_mask)[0]
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        if isinstance(batch, RolloutBatch):
+            return RolloutBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def configure_optimizers(self) -> Any:
+        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        groups = [
+            {"params": policy_params},
+            {"params": list(self.head.parameters()), "lr": self.hparams["predictor_lr"]},
+        ]
+        optimizer = self.optimizer_factory(groups)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
+
+
+def _right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs])  # [B, T]
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # [B, T]
+    return ids, mask
