@@ -133,3 +133,27 @@ def test_real_corpus_and_fanoutqa():
     tr = env.step(k2, (), "<search>height of K2</search>")
     assert "[1] K2: " in tr.observation and "8,611" in tr.observation
     assert env.step(k2, tr.state, "<answer>8,611 metres</answer>").reward == 1.0
+
+
+def test_contains_reward_accepts_a_sentence_with_the_gold_as_whole_words():
+    assert score_answer("The capital of France is Paris.", ("Paris",), "contains") == 1.0
+    assert (
+        score_answer("It was created by Guido van Rossum in 1991", ("Guido van Rossum",), "contains") == 1.0
+    )
+    assert score_answer("Parisian food", ("Paris",), "contains") == 0.0  # whole words only
+    assert score_answer("", ("Paris",), "contains") == 0.0
+
+
+@needs_bm25
+def test_untagged_reply_is_the_final_answer_only_when_asked():
+    env = tiny_env(reward="contains", untagged_reply="answer")
+    task = TASKS[1]
+    tr = env.step(task, (), "I think it is Paris.")
+    assert (tr.done, tr.reward, tr.stop_reason, tr.format_error) == (True, 1.0, "answer", False)
+    # a reply that opens a tag but breaks it is still a format error, not an answer
+    broken = env.step(task, (), "<search>capital of France")
+    assert broken.format_error and not broken.done
+    strict = tiny_env().step(task, (), "I think it is Paris.")
+    assert strict.format_error and not strict.done
+    with pytest.raises(ValueError, match="env.untagged_reply"):
+        tiny_env(untagged_reply="maybe")

@@ -247,3 +247,32 @@ def test_malformed_and_adversarial_actions_never_crash_a_rollout(tiny_model_dir)
     assert batches and counters.format_errors > 0
     assert sum(counters.stop_reasons.values()) == 12
     assert np.isfinite(sum(module.training_step(b, 0).item() for b in batches))
+
+
+def test_datamodule_state_dict_replays_the_next_iteration_exactly(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    first = make_data()
+    first.build_iteration(module)  # move every generator past its start
+    state = first.state_dict()
+    first.build_iteration(module)
+    expected = [(t.task_id, t.token_ids(leaf)) for t in first.report.result.trees for leaf in t.leaves()]
+    resumed = make_data(seed=123)  # a different seed: everything must come from the state
+    resumed.load_state_dict(state)
+    resumed.build_iteration(module)
+    got = [(t.task_id, t.token_ids(leaf)) for t in resumed.report.result.trees for leaf in t.leaves()]
+    assert got == expected and resumed.iteration == first.iteration == 2
+
+
+def test_companion_predictor_is_frozen_and_feeds_the_head(tiny_model_dir, tmp_path):
+    from trace_lightning.models import build_tiny_model
+
+    companion_dir = build_tiny_model(tmp_path / "companion", hidden_size=32, seed=7)
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, predictor_backbone=companion_dir)
+    assert module.head.net[1].in_features == 32  # sized for the companion, not the policy (64)
+    frozen = {n: p.detach().clone() for n, p in module.companion.named_parameters()}
+    head = {n: p.detach().clone() for n, p in module.head.named_parameters()}
+    fit(module, make_data(), epochs=1)
+    assert all(torch.equal(p, frozen[n]) for n, p in module.companion.named_parameters())
+    assert any(not torch.equal(p, head[n]) for n, p in module.head.named_parameters())

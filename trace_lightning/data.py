@@ -132,15 +132,19 @@ class RolloutDataModule(L.LightningDataModule):
         return batches
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything the next iteration depends on besides the weights: the allocation RNG, the torch
+        RNG the engine samples with, the iteration counter and the cold-start prior."""
         return {
             "iteration": self.iteration,
             "rng": self.rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
             "prior": self.prior.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
         self.prior.load_state_dict(state["prior"])
 
 

@@ -43,6 +43,7 @@ class TraceModule(L.LightningModule):
         kl_coef: float = 0.0,
         kl_kind: KLKind = "k3",
         score_batch_size: int = 16,
+        predictor_backbone: str | None = None,
     ) -> None:
         super().__init__()
         if predictor_weighting not in ("leaves", "uniform"):
@@ -58,7 +59,29 @@ class TraceModule(L.LightningModule):
         self.reference = None
         if kl_coef > 0 and adapter is None:  # full fine-tuning needs its own frozen reference
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        self.head = SuccessHead(self.policy.config.hidden_size, predictor_width)
+        # Optional companion LM for the predictor (frozen; only the head trains). It must share the
+        # policy's tokenizer, since it reads the very same token ids.
+        self.companion = None if predictor_backbone is None else self._load_companion(predictor_backbone)
+        backbone = self.companion if self.companion is not None else self.policy
+        self.head = SuccessHead(backbone.config.hidden_size, predictor_width)
+
+    def _load_companion(self, path: str) -> torch.nn.Module:
+        companion = self._load_policy(path, None).requires_grad_(False).eval()
+        if AutoTokenizer.from_pretrained(path).get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                f"predictor.backbone={path!r} has another tokenizer than the policy; use one that shares it"
+            )
+        return companion
+
+    def _predictor_hidden(
+        self, ids: torch.Tensor, mask: torch.Tensor, policy_hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Last hidden states the head reads [B, T, H]: the policy's, or the companion's."""
+        if self.companion is None and policy_hidden is not None:
+            return policy_hidden
+        model = self.companion if self.companion is not None else self.policy
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
     @staticmethod
     def _load_policy(path: str, adapter: Any | None) -> torch.nn.Module:
@@ -112,9 +135,7 @@ class TraceModule(L.LightningModule):
             rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
             cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
             ids, mask = _right_pad(seqs, self.tokenizer.pad_token_id)
-            hidden = self.policy(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True
-            ).hidden_states[-1]
+            hidden = self._predictor_hidden(ids.to(self.device), mask.to(self.device), None)
             logits = self.head(
                 gather_positions(
                     hidden, torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
@@ -155,6 +176,7 @@ class TraceModule(L.LightningModule):
             loss = loss + hp["kl_coef"] * kl
             metrics["train/kl"] = kl.detach()
         if batch.pred_targets.numel():
+            hidden = self._predictor_hidden(batch.input_ids, batch.attention_mask, hidden)
             pred = torch.sigmoid(self.head(gather_positions(hidden, batch.pred_rows, batch.pred_cols)))
             weights = batch.pred_weights if hp["predictor_weighting"] == "leaves" else None
             pred_loss = predictor_mse(pred, batch.pred_targets, weights)

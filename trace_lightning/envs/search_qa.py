@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from trace_lightning.envs.actions import ActionError, parse_action
+from trace_lightning.envs.actions import Action, ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.scoring import normalize_answer, score_answer
 
@@ -228,9 +228,10 @@ def _cached_wiki_index(snippet_chars: int) -> BM25Index:
 
 
 SYSTEM_PROMPT = (
-    "Answer the question. You can search a collection of Wikipedia summaries. Think briefly, then end "
-    "your turn with exactly one action: <search>keywords</search> to search, or <answer>short "
-    "answer</answer> to answer. Search results come back as <observation>...</observation>."
+    "You answer questions with a search tool over Wikipedia summaries. Reply with one action per turn.\n"
+    "To search: <search>keywords</search>\nTo answer: <answer>short answer</answer>\n\n"
+    "Example:\nuser: What is the capital of Italy?\nassistant: <search>Italy capital</search>\n"
+    "user: <observation>[1] Italy: Italy's capital is Rome.</observation>\nassistant: <answer>Rome</answer>"
 )
 
 
@@ -251,13 +252,17 @@ class SearchQAEnv:
         split: Split = "answerable",
         top_k: int = 3,
         max_tasks: int | None = None,
-        reward: Literal["em", "f1"] = "em",
+        reward: Literal["em", "f1", "contains"] = "em",
+        untagged_reply: Literal["error", "answer"] = "error",
         corpus: Sequence[tuple[str, str]] | None = None,
         tasks: Sequence[Task] | None = None,
         snippet_chars: int = 300,
     ) -> None:
-        if reward not in ("em", "f1"):
-            raise ValueError(f"env.reward must be 'em' or 'f1', got {reward!r}")
+        if reward not in ("em", "f1", "contains"):
+            raise ValueError(f"env.reward must be 'em', 'f1' or 'contains', got {reward!r}")
+        if untagged_reply not in ("error", "answer"):
+            raise ValueError(f"env.untagged_reply must be 'error' or 'answer', got {untagged_reply!r}")
+        self.untagged_reply = untagged_reply
         if top_k < 1 or (max_tasks is not None and max_tasks < 1):
             raise ValueError(f"env.top_k and env.max_tasks must be >= 1, got {top_k} and {max_tasks}")
         if importlib.util.find_spec("bm25s") is None:
@@ -288,8 +293,19 @@ class SearchQAEnv:
             )
         return self._index
 
+    def _final_reply(self, text: str) -> bool:
+        """With untagged_reply="answer", a reply that opens no action tag is the final answer, as a chat
+        message without a tool call is in function-calling agents (small models rarely use tags)."""
+        return (
+            self.untagged_reply == "answer"
+            and not any(f"<{a}>" in text for a in self.actions)
+            and bool(text.strip())
+        )
+
     def step(self, task: Task, state: tuple[str, ...], action_text: str) -> Transition:
         action = parse_action(action_text, self.actions)
+        if isinstance(action, ActionError) and self._final_reply(action_text):
+            action = Action("answer", action_text.strip())
         if isinstance(action, ActionError):
             return _reply(f"error: {action.message}", state, format_error=True)
         if action.name == "answer":
