@@ -209,3 +209,12 @@ def load_policy(path: str | os.PathLike[str], dtype: str = "float32") -> tuple[A
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def local_model(path: str) -> str:
+    """A transformers model folder given by the user (`model=local model.path=...`), checked early."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={path!r} has no config.json: point it at a transformers model folder"
+        )
+    return str(path)

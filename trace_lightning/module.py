@@ -193,6 +193,12 @@ class TraceModule(L.LightningModule):
         with self.policy.disable_adapter():  # LoRA: the base model is the reference
             return self._forward(self.policy, batch.input_ids, batch.attention_mask)[0]
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Remember the MLflow run, so that resuming from this checkpoint continues the same run."""
+        run_id = getattr(self.logger, "run_id", None)
+        if run_id is not None:
+            checkpoint["mlflow_run_id"] = run_id
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         if isinstance(batch, RolloutBatch):
             return RolloutBatch(**{k: v.to(device) for k, v in vars(batch).items()})

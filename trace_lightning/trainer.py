@@ -1,0 +1,126 @@
+"""`python -m trace_lightning.trainer`: the Hydra main. It instantiates and wires; the config stops here.
+
+python -m trace_lightning.trainer                                  # the embedded default (CPU)
+python -m trace_lightning.trainer allocator=uniform budget.leaves=24
+python -m trace_lightning.trainer -m allocator=uniform,trace       # a sweep, one MLflow run each
+python -m trace_lightning.trainer experiment=grpo                  # a paper baseline
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from trace_lightning import config
+from trace_lightning.allocation import BetaPrior, TreeAllocator
+from trace_lightning.data import RolloutDataModule
+from trace_lightning.engines.base import SamplingParams
+from trace_lightning.module import TraceModule
+
+config.register()
+
+
+def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
+    """Every component from its config group; nothing below receives a DictConfig."""
+    L.seed_everything(cfg.seed, workers=True)
+    allocator: TreeAllocator = instantiate(cfg.allocator)
+    env = instantiate(cfg.env)
+    p, loss = cfg.predictor, cfg.loss
+    module = TraceModule(
+        str(instantiate(cfg.model)),
+        optimizer=instantiate(cfg.optimizer),
+        adapter=instantiate(cfg.adapter) if cfg.adapter is not None else None,
+        predictor_width=p.width,
+        predictor_lr=p.lr,
+        predictor_coef=p.coef,
+        predictor_weighting=p.weighting,
+        predictor_backbone=p.backbone,
+        **OmegaConf.to_container(loss),  # type: ignore[arg-type]
+    )
+    data = RolloutDataModule(
+        env=env,
+        allocator=allocator,
+        engine=instantiate(cfg.engine),
+        sampling=SamplingParams(**OmegaConf.to_container(cfg.sampling)),  # type: ignore[arg-type]
+        leaves=cfg.budget.leaves,
+        max_tokens=cfg.budget.max_tokens,
+        estimator=cfg.advantage.estimator,
+        cold_start=BetaPrior(**OmegaConf.to_container(cfg.cold_start)),  # type: ignore[arg-type]
+        seed=cfg.seed,
+        **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
+    )
+    logger = _logger(cfg, allocator, env)
+    callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks)
+    return module, data, trainer
+
+
+def _logger(cfg: DictConfig, allocator: TreeAllocator, env: Any) -> Any:
+    """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint."""
+    if cfg.logger is None:
+        return None
+    run_id = _checkpoint_run_id(_checkpoint_path(cfg))
+    tags = {
+        "allocator": allocator.name,
+        "env": env.name,
+        "model": Path(str(cfg.model.get("path", cfg.model._target_))).name,
+    }
+    logger = instantiate(cfg.logger, run_id=run_id, tags=tags if run_id is None else None)
+    if run_id is None and hasattr(logger, "log_hyperparams"):
+        logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
+    return logger
+
+
+def _checkpoint_path(cfg: DictConfig) -> str | None:
+    """`ckpt_path=last` means this run_dir's last.ckpt (resume with the same run_dir=...)."""
+    if cfg.ckpt_path is None:
+        return None
+    path = Path(cfg.run_dir) / "checkpoints" / "last.ckpt" if cfg.ckpt_path == "last" else Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}; pass run_dir=<the run to resume>"
+        )
+    return str(path)
+
+
+def _checkpoint_run_id(ckpt_path: str | None) -> str | None:
+    if ckpt_path is None:
+        return None
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    return ckpt.get("mlflow_run_id")
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"budget": {"leaves": 12}} -> {"budget.leaves": 12}: MLflow params are flat."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit, and return the final metrics (for sweeps and notebooks)."""
+    module, data, trainer = build(cfg)
+    trainer.fit(module, datamodule=data, ckpt_path=_checkpoint_path(cfg))
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@hydra.main(config_path=str(config.conf_dir()), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    return metrics.get("rollout/success_rate")
+
+
+if __name__ == "__main__":
+    main()
