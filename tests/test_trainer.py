@@ -1,0 +1,143 @@
+"""The Hydra CLI: every shipped config composes and instantiates; a CLI run lands in MLflow; bad
+configs fail at start-up naming the key."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import get_method, instantiate
+from mlflow.tracking import MlflowClient
+from omegaconf.errors import ValidationError
+
+from trace_lightning import config, trainer
+from trace_lightning.allocation import BudgetError, TreeAllocator
+from trace_lightning.models import prepare_smollm2
+
+CONF = config.conf_dir()
+GROUP_OPTIONS = [
+    (group.name, option.stem)
+    for group in sorted(CONF.iterdir())
+    if group.is_dir() and group.name not in ("experiment", "debug", "__pycache__")
+    for option in sorted(group.glob("*.yaml"))
+]
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def make_cfg(tmp_path, *overrides):
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(
+            config_name="train",
+            overrides=[f"output_root={tmp_path}", f"run_dir={tmp_path}/run", *overrides],
+        )
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
+    cfg = (
+        make_cfg(tmp_path, "model=tiny", f"{group}={option}")
+        if group != "model"
+        else make_cfg(tmp_path, f"model={option}")
+    )
+    node = cfg[group]
+    if node is None or group in ("predictor", "advantage"):  # plain values, consumed by build()
+        return
+    if (
+        group == "model" and option == "smollm2"
+    ):  # converting takes ~20 s; tests/test_models.py does it (slow)
+        assert get_method(node._target_) is prepare_smollm2
+        return
+    if group == "model" and option == "local":
+        with pytest.raises(Exception, match="model.path"):
+            instantiate(node)
+        return
+    if group == "callbacks":
+        assert all(instantiate(c) is not None for c in node.values())
+        return
+    if group == "trainer":
+        assert instantiate(node, logger=False, callbacks=[]).max_epochs >= 1
+        return
+    assert instantiate(node) is not None
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_builds_with_a_valid_budget(tmp_path, experiment):
+    cfg = make_cfg(tmp_path, f"experiment={experiment}", "model=tiny", "logger=none", "env=chain")
+    _, data, fit = trainer.build(cfg)
+    assert isinstance(data.allocator, TreeAllocator)
+    assert data.allocator.n_roots(data.budget) * (1 + data.allocator.expansion) == cfg.budget.leaves
+    assert fit.max_epochs == cfg.trainer.max_epochs
+
+
+def test_impossible_budget_fails_at_start_up_naming_the_key(tmp_path):
+    cfg = make_cfg(tmp_path, "debug=fast", "logger=none", "budget.leaves=7")  # trace: N = 2, 7 % 3 != 0
+    with pytest.raises(BudgetError, match="budget.leaves"):
+        trainer.build(cfg)
+
+
+def test_wrong_type_and_unknown_key_fail_naming_the_key(tmp_path):
+    with pytest.raises((ValidationError, ConfigCompositionException), match="budget.leaves"):
+        make_cfg(tmp_path, "budget.leaves=abc")
+    with pytest.raises(ConfigCompositionException, match="leavs"):
+        make_cfg(tmp_path, "budget.leavs=3")
+    with pytest.raises(ConfigCompositionException, match="allocator"):
+        make_cfg(tmp_path, "allocator=nonsense")
+
+
+def run_cli(tmp_path, *overrides):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trace_lightning.trainer",
+            "debug=fast",
+            f"output_root={tmp_path}",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def test_cli_run_lands_in_mlflow_and_resume_continues_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli(tmp_path, f"run_dir={run_dir}", "trainer.max_epochs=1", "budget.leaves=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
+    assert run.data.params["budget.leaves"] == "6"
+    assert run.data.tags["allocator"] == "trace" and run.data.tags["env"] == "chain"
+    assert "train/loss" in run.data.metrics
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert client.list_artifacts(run.info.run_id), "the checkpoint should be attached to the run"
+    steps = len(client.get_metric_history(run.info.run_id, "train/loss"))
+
+    again = run_cli(
+        tmp_path, f"run_dir={run_dir}", "trainer.max_epochs=2", "budget.leaves=6", "ckpt_path=last"
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = client.search_runs([run.info.experiment_id])
+    assert [r.info.run_id for r in runs] == [run.info.run_id]  # the same MLflow run, continued
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) > steps
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    cfg = make_cfg(tmp_path, "debug=fast", "ckpt_path=last")
+    with pytest.raises(FileNotFoundError, match="ckpt_path"):
+        trainer.build(cfg)
+
+
+def test_configs_ship_inside_the_package_or_checkout():
+    assert (CONF / "train.yaml").is_file()
+    assert (
+        Path(config.__file__).resolve().parents[1].joinpath("conf", "train.yaml").is_file()
+        or CONF.parent.name == "trace_lightning"
+    )

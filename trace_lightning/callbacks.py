@@ -1,0 +1,313 @@
+"""Logging callbacks: they read what an iteration built and log it; compute code never logs.
+
+Each callback pairs a pure function (report -> dict of floats, tested on hand-built trees) with a
+thin Lightning hook. Lightning calls `train_dataloader()` before `on_train_epoch_start`, so in that
+hook `datamodule.report` describes the iteration the coming epoch trains on. Keys are `area/name`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
+
+from trace_lightning.allocation import BudgetLedger
+from trace_lightning.data import IterationReport
+from trace_lightning.engines.base import EngineStats
+from trace_lightning.plots import draw_tree
+from trace_lightning.tree import RolloutTree, TreeStats, backup, tree_stats
+
+SUCCESS = 0.5  # reward at or above which a leaf counts as a success, as in `tree.backup`
+
+
+def _mean(values: Any) -> float:
+    return float(np.mean(values)) if len(values) else 0.0
+
+
+# --------------------------------------------------------------------------- rollout statistics
+
+
+def rollout_metrics(report: IterationReport, engine_stats: EngineStats | None = None) -> dict[str, float]:
+    """Everything `RolloutStats` logs for one iteration, except the running sums."""
+    stats = [tree_stats(t, SUCCESS) for t in report.result.trees]
+    return _rollout_part(report, stats) | _budget_part(report.result.ledger, engine_stats) | _tree_part(stats)
+
+
+def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, float]:
+    """Outcomes and contrast. Per-leaf rates divide by all leaves, so allocators that spend the same
+    budget compare directly (TRACE_SPEC "Metrics the paper reports")."""
+    leaves = [(t, leaf) for t in report.result.trees for leaf in t.leaves()]
+    per_leaf = 1.0 / max(len(leaves), 1)
+    mixed_prefixes = sum(sum(s.mixed_by_depth[1:]) for s in stats)
+    c = report.counters
+    out = {
+        "rollout/prompts": float(len(stats)),
+        "rollout/effective_ratio": _mean([s.mixed for s in stats]),
+        "rollout/success_rate": _mean([_won(t, leaf) for t, leaf in leaves]),
+        "rollout/mixed_root_per_100_leaves": 100 * per_leaf * sum(s.mixed for s in stats),
+        "rollout/mixed_prefix_per_100_leaves": 100 * per_leaf * mixed_prefixes,
+        "rollout/contrastive_pairs_per_leaf": per_leaf * sum(s.contrastive_pairs for s in stats),
+        "rollout/prefix_pairs_per_leaf": per_leaf * sum(s.prefix_contrastive_pairs for s in stats),
+        "rollout/response_tokens_mean": _mean([_generated(t, leaf) for t, leaf in leaves]),
+        "rollout/turns_mean": _mean([t.nodes[leaf].depth for t, leaf in leaves]),
+        "rollout/format_errors": float(c.format_errors),
+        "rollout/tool_calls": float(c.tool_calls),
+        "rollout/tool_errors": float(c.tool_errors),
+        "rollout/env_errors": float(len(c.env_errors)),
+        "rollout/used_prior": float(report.used_prior),
+    }
+    out |= {f"rollout/stop/{_key_safe(r)}": float(n) for r, n in sorted(c.stop_reasons.items())}
+    return out
+
+
+def _key_safe(name: str) -> str:
+    """Stop reasons come from the environment: keep them within MLflow's allowed key characters."""
+    return re.sub(r"[^\w./ -]", "_", name)
+
+
+def _won(tree: RolloutTree, leaf: int) -> bool:
+    return float(tree.nodes[leaf].reward or 0.0) >= SUCCESS
+
+
+def _generated(tree: RolloutTree, leaf: int) -> int:
+    """Tokens the policy generated along a leaf's whole path (shared turns count for every leaf)."""
+    return sum(len(tree.nodes[n].action_ids) for n in tree.path(leaf))
+
+
+def _budget_part(ledger: BudgetLedger, engine: EngineStats | None) -> dict[str, float]:
+    out = {"budget/leaves": float(ledger.leaves_used), "budget/leaves_unused": float(ledger.leaves_left())}
+    out |= {f"budget/leaves_{stage}": float(n) for stage, n in ledger.leaves.items()}
+    out["budget/tokens"] = float(ledger.tokens_used)
+    out |= {f"budget/tokens_{stage}": float(n) for stage, n in ledger.tokens.items()}
+    out |= {f"budget/tokens_depth_{d}": float(n) for d, n in sorted(ledger.tokens_by_depth.items())}
+    if (tokens_left := ledger.tokens_left()) is not None:
+        out["budget/tokens_unused"] = float(tokens_left)
+    if engine is not None:
+        out["budget/prefill_tokens"] = float(engine.prefill_tokens)
+        out["budget/reused_prefill_tokens"] = float(engine.reused_prefill_tokens)
+    return out
+
+
+def _tree_part(stats: list[TreeStats]) -> dict[str, float]:
+    """Tree shape; `mixed_depth_<d>` sums mixed nodes at depth d over the trees (0 = mixed roots)."""
+    depth_max = max((s.depth for s in stats), default=0)
+    out = {
+        "tree/leaves_per_prompt": _mean([s.leaves for s in stats]),
+        "tree/depth_mean": _mean([s.depth for s in stats]),
+        "tree/depth_max": float(depth_max),
+        "tree/branching_mean": _mean([s.branching for s in stats]),  # mean over trees
+    }
+    for d in range(depth_max + 1):
+        out[f"tree/mixed_depth_{d}"] = float(
+            sum(s.mixed_by_depth[d] for s in stats if d < len(s.mixed_by_depth))
+        )
+    return out
+
+
+def _latest_report(trainer: L.Trainer) -> IterationReport | None:
+    return getattr(trainer.datamodule, "report", None)
+
+
+def take_engine_stats(datamodule: Any) -> EngineStats | None:
+    """The runner engine's counters since the last call; resets them so each iteration counts alone."""
+    engine = getattr(getattr(datamodule, "_runner", None), "engine", None)
+    if engine is None:
+        return None
+    stats, engine.stats = engine.stats, EngineStats()
+    return stats
+
+
+class RolloutStats(L.Callback):
+    """Logs `rollout/*`, `budget/*` and `tree/*` once per iteration, plus running sums of leaves and
+    tokens (x-axes for success against budget spent) that survive a resume through `state_dict`."""
+
+    def __init__(self) -> None:
+        self.leaves_cum, self.tokens_cum, self.last_iteration = 0, 0, -1
+
+    def metrics(self, report: IterationReport, engine_stats: EngineStats | None = None) -> dict[str, float]:
+        out = rollout_metrics(report, engine_stats)
+        if report.iteration != self.last_iteration:  # an unreloaded dataloader must not count twice
+            self.leaves_cum += report.result.ledger.leaves_used
+            self.tokens_cum += report.result.ledger.tokens_used
+            self.last_iteration = report.iteration
+        return out | {
+            "budget/leaves_cum": float(self.leaves_cum),
+            "budget/tokens_cum": float(self.tokens_cum),
+        }
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if (report := _latest_report(trainer)) is not None:
+            metrics = self.metrics(report, take_engine_stats(trainer.datamodule))
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "leaves_cum": self.leaves_cum,
+            "tokens_cum": self.tokens_cum,
+            "last_iteration": self.last_iteration,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.leaves_cum, self.tokens_cum = int(state_dict["leaves_cum"]), int(state_dict["tokens_cum"])
+        self.last_iteration = int(state_dict["last_iteration"])
+
+
+# --------------------------------------------------------------------------- predictor calibration
+
+
+def calibration_samples(trees: list[RolloutTree]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(predicted p, realised 0/1 outcome) pairs for scored roots and scored prefixes.
+
+    Only bare rollouts give labels: a prompt's bare rollouts are independent draws of V(prompt), and
+    each scored prefix lies on exactly one bare rollout, whose outcome is one draw of V(prefix).
+    Continuations are left out on purpose: Stage 2 picks their prefixes from these very outcomes
+    and predictions, so they are not an unbiased sample. A root with m bare rollouts gives m pairs.
+    """
+    pairs: dict[str, list[tuple[float, float]]] = {"root": [], "prefix": []}
+    for tree in trees:
+        for leaf in tree.leaves():
+            if tree.nodes[leaf].stage != "bare":
+                continue
+            label = float(_won(tree, leaf))
+            for n in [0, *tree.path(leaf)[:-1]]:
+                if (p := tree.nodes[n].predicted) is not None:
+                    pairs["root" if n == 0 else "prefix"].append((p, label))
+    return {k: (np.array([p for p, _ in v]), np.array([y for _, y in v])) for k, v in pairs.items()}
+
+
+def binary_scores(prefix: str, p: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Brier, ECE (10 bins), AUROC (only when both outcomes occur) and the two means."""
+    if len(p) == 0:
+        return {}
+    preds, target = torch.as_tensor(p, dtype=torch.float32), torch.as_tensor(y, dtype=torch.long)
+    out = {
+        f"{prefix}samples": float(len(p)),
+        f"{prefix}brier": float(np.mean((p - y) ** 2)),
+        f"{prefix}ece": float(binary_calibration_error(preds, target, n_bins=10)),
+        f"{prefix}mean_predicted": float(p.mean()),
+        f"{prefix}mean_realised": float(y.mean()),
+    }
+    if 0 < y.sum() < len(y):
+        out[f"{prefix}auroc"] = float(binary_auroc(preds, target))
+    return out
+
+
+def value_errors(trees: list[RolloutTree]) -> np.ndarray:
+    """(p - V̂)^2 per scored node with a leaf below: the error against the predictor's own target."""
+    errors = []
+    for tree in trees:
+        value = backup(tree, SUCCESS).value
+        errors += [
+            (n.predicted - value[n.id]) ** 2
+            for n in tree.nodes
+            if n.predicted is not None and np.isfinite(value[n.id])
+        ]
+    return np.array(errors)
+
+
+def calibration_metrics(report: IterationReport) -> dict[str, float]:
+    """`predictor/*` over the active trees; `predictor/source` is 0 for the cold-start prior, 1 the head."""
+    samples = calibration_samples(report.result.trees)
+    p = np.concatenate([samples["root"][0], samples["prefix"][0]])
+    y = np.concatenate([samples["root"][1], samples["prefix"][1]])
+    out = {"predictor/source": 0.0 if report.used_prior else 1.0}
+    out |= binary_scores("predictor/", p, y)
+    out |= binary_scores("predictor/root_", *samples["root"])
+    out |= binary_scores("predictor/prefix_", *samples["prefix"])
+    if len(errors := value_errors(report.result.trees)):
+        out["predictor/value_mse"] = float(errors.mean())
+    return out
+
+
+class PredictorCalibration(L.Callback):
+    """Logs how well the allocation's success estimates matched what the rollouts then did."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if (report := _latest_report(trainer)) is not None:
+            pl_module.log_dict(calibration_metrics(report), on_step=False, on_epoch=True, batch_size=1)
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def iteration_record(report: IterationReport) -> dict[str, Any]:
+    """Everything needed to redraw or re-score the iteration later, as plain JSON."""
+    res = report.result
+    ledger = {"budget": vars(res.ledger.budget), "leaves": res.ledger.leaves, "tokens": res.ledger.tokens}
+    ledger["tokens_by_depth"] = {str(d): n for d, n in sorted(res.ledger.tokens_by_depth.items())}
+    return {
+        "iteration": report.iteration,
+        "used_prior": report.used_prior,
+        "task_ids": [t.task_id for t in res.trees],
+        "pool_predicted": res.pool_predicted.tolist(),
+        "root_counts": res.root_counts.tolist(),
+        "ledger": ledger,
+        "trees": [t.to_dict() for t in res.trees],
+    }
+
+
+def tree_to_draw(trees: list[RolloutTree]) -> RolloutTree:
+    """The mixed tree with the most leaves (the first on ties), else the tree with the most leaves."""
+    mixed = [t for t in trees if backup(t, SUCCESS).mixed[0]]
+    return max(mixed or trees, key=lambda t: len(t.leaves()))
+
+
+def samples_markdown(trees: list[RolloutTree], tokenizer: Any, n: int = 4, chars: int = 300) -> str:
+    """A table of the first bare rollout of the first `n` trees, response text cut to `chars`."""
+    rows = ["| task | reward | stop | response |", "|---|---|---|---|"]
+    for tree in [t for t in trees if t.leaves()][:n]:
+        leaf = tree.nodes[min(tree.leaves())]
+        text = tokenizer.decode(tree.token_ids(leaf.id)[len(tree.prompt_ids) :], skip_special_tokens=True)
+        text = text[:chars].replace("|", "\\|").replace("\n", "<br>")
+        rows.append(f"| {tree.task_id} | {leaf.reward:.2f} | {leaf.stop_reason} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
+def write_artifacts(report: IterationReport, out_dir: Path, tokenizer: Any) -> list[tuple[str, Path]]:
+    """Write the iteration's tree JSON, one tree drawing and the sample table; (folder, path) each."""
+    stem = f"iteration_{report.iteration:04d}"
+    (out_dir / "trees").mkdir(parents=True, exist_ok=True)
+    (out_dir / "samples").mkdir(parents=True, exist_ok=True)
+    record = out_dir / "trees" / f"{stem}.json"
+    record.write_text(json.dumps(iteration_record(report)))
+    out = [("trees", record)]
+    if report.result.trees:
+        out.append(("trees", draw_tree(tree_to_draw(report.result.trees), out_dir / "trees" / f"{stem}.png")))
+        table = out_dir / "samples" / f"{stem}.md"
+        table.write_text(samples_markdown(report.result.trees, tokenizer))
+        out.append(("samples", table))
+    return out
+
+
+class TreeArtifacts(L.Callback):
+    """Every `every_n_epochs` iterations, writes the trees (JSON), one drawing (PNG) and a few decoded
+    samples (Markdown) under `output_dir`, and uploads them to MLflow when an MLFlowLogger is attached."""
+
+    def __init__(self, output_dir: str | None = None, every_n_epochs: int = 1) -> None:
+        if every_n_epochs < 1:
+            raise ValueError(f"callbacks.tree_artifacts.every_n_epochs={every_n_epochs} must be >= 1")
+        self.output_dir, self.every_n_epochs = output_dir, every_n_epochs
+
+        self._out_dir: Path | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # resolved here, on every rank: `trainer.log_dir` broadcasts, so rank zero alone would hang
+        self._out_dir = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        report = _latest_report(trainer)
+        if report is None or not trainer.is_global_zero or trainer.current_epoch % self.every_n_epochs:
+            return
+        assert self._out_dir is not None, "setup() runs before the first epoch"
+        paths = write_artifacts(report, self._out_dir, pl_module.tokenizer)
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                for folder, path in paths:
+                    logger.experiment.log_artifact(logger.run_id, str(path), artifact_path=folder)
