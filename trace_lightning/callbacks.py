@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
@@ -111,8 +111,12 @@ def _tree_part(stats: list[TreeStats]) -> dict[str, float]:
     return out
 
 
-def _latest_report(trainer: L.Trainer) -> IterationReport | None:
-    return getattr(trainer.datamodule, "report", None)
+def _datamodule(trainer: Trainer) -> Any:
+    return getattr(trainer, "datamodule", None)  # set by `fit(datamodule=...)`, not declared on Trainer
+
+
+def _latest_report(trainer: Trainer) -> IterationReport | None:
+    return getattr(_datamodule(trainer), "report", None)
 
 
 def take_engine_stats(datamodule: Any) -> EngineStats | None:
@@ -120,11 +124,12 @@ def take_engine_stats(datamodule: Any) -> EngineStats | None:
     engine = getattr(getattr(datamodule, "_runner", None), "engine", None)
     if engine is None:
         return None
-    stats, engine.stats = engine.stats, EngineStats()
+    stats: EngineStats = engine.stats
+    engine.stats = EngineStats()
     return stats
 
 
-class RolloutStats(L.Callback):
+class RolloutStats(Callback):
     """Logs `rollout/*`, `budget/*` and `tree/*` once per iteration, plus running sums of leaves and
     tokens (x-axes for success against budget spent) that survive a resume through `state_dict`."""
 
@@ -142,9 +147,9 @@ class RolloutStats(L.Callback):
             "budget/tokens_cum": float(self.tokens_cum),
         }
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (report := _latest_report(trainer)) is not None:
-            metrics = self.metrics(report, take_engine_stats(trainer.datamodule))
+            metrics = self.metrics(report, take_engine_stats(_datamodule(trainer)))
             pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,10 +231,10 @@ def calibration_metrics(report: IterationReport) -> dict[str, float]:
     return out
 
 
-class PredictorCalibration(L.Callback):
+class PredictorCalibration(Callback):
     """Logs how well the allocation's success estimates matched what the rollouts then did."""
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (report := _latest_report(trainer)) is not None:
             pl_module.log_dict(calibration_metrics(report), on_step=False, on_epoch=True, batch_size=1)
 
@@ -286,7 +291,7 @@ def write_artifacts(report: IterationReport, out_dir: Path, tokenizer: Any) -> l
     return out
 
 
-class TreeArtifacts(L.Callback):
+class TreeArtifacts(Callback):
     """Every `every_n_epochs` iterations, writes the trees (JSON), one drawing (PNG) and a few decoded
     samples (Markdown) under `output_dir`, and uploads them to MLflow when an MLFlowLogger is attached."""
 
@@ -297,11 +302,11 @@ class TreeArtifacts(L.Callback):
 
         self._out_dir: Path | None = None
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # resolved here, on every rank: `trainer.log_dir` broadcasts, so rank zero alone would hang
         self._out_dir = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         report = _latest_report(trainer)
         if report is None or not trainer.is_global_zero or trainer.current_epoch % self.every_n_epochs:
             return

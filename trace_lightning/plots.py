@@ -73,7 +73,7 @@ def draw_tree(tree: RolloutTree, path: str | Path, success_threshold: float = 0.
     depths = sorted({n.depth for n in tree.nodes})
     ax.set_yticks([-d for d in depths], [str(d) for d in depths])
     ax.set_xticks([])
-    ax.legend(handles=_legend(), fontsize=7, loc="upper right", frameon=False)
+    ax.legend(handles=_legend(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

@@ -113,7 +113,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, and return the final metrics (for sweeps and notebooks)."""
     module, data, trainer = build(cfg)
     trainer.fit(module, datamodule=data, ckpt_path=_checkpoint_path(cfg))
+    _say_where(trainer, cfg)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _say_where(trainer: L.Trainer, cfg: DictConfig) -> None:
+    """Tell the user where the run went and how to look at it."""
+    print(f"\nrun directory: {Path(cfg.run_dir).resolve()}")
+    logger = trainer.logger
+    uri = getattr(logger, "_tracking_uri", None)
+    if uri is not None:
+        print(f"MLflow run {getattr(logger, 'run_id', '?')} in {uri}")
+        print(
+            f"  browse:  mlflow ui --backend-store-uri {uri} --workers 1   (then open http://127.0.0.1:5000)"
+        )
+        print(f"  compare: python -m trace_lightning.compare --tracking-uri {uri}")
 
 
 @hydra.main(config_path=str(config.conf_dir()), config_name="train", version_base="1.3")
