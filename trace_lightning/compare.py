@@ -101,8 +101,7 @@ def find_runs(
 
 
 def history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
-    """Value per logging step, in step order. Where a step was logged twice (a resumed run repeats
-    its last iteration), the later write wins."""
+    """Value per logging step, in step order; where a step was logged twice, the later write wins."""
     points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     return {m.step: m.value for m in points}
 
@@ -160,7 +159,7 @@ def _wall_seconds(run: Run) -> float:
     """End minus start; NaN while the run is still going (MLflow has no end time yet)."""
     if run.info.end_time is None or run.info.start_time is None:
         return math.nan
-    return (run.info.end_time - run.info.start_time) / 1000.0
+    return float(run.info.end_time - run.info.start_time) / 1000.0
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -194,8 +193,8 @@ def _cell(column: str, value: Any) -> str:
 
 
 def label(run: Run) -> str:
-    """Allocator tag plus short id: run names can repeat (the trainer seeds Python's RNG before MLflow
-    draws one), ids cannot."""
+    """Allocator tag plus short id: run names can repeat (runs with the same seed have been seen to draw
+    the same name), ids cannot."""
     return f"{run.data.tags.get('allocator', '?')} {run.info.run_id[:SHORT_ID]}"
 
 

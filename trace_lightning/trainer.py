@@ -33,8 +33,9 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
+    model_path = str(instantiate(cfg.model))
     module = TraceModule(
-        str(instantiate(cfg.model)),
+        model_path,
         optimizer=instantiate(cfg.optimizer),
         adapter=instantiate(cfg.adapter) if cfg.adapter is not None else None,
         predictor_width=p.width,
@@ -56,24 +57,22 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )
-    logger = _logger(cfg, allocator, env)
+    logger = _logger(cfg, allocator, env, model_path)
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
     trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks)
     return module, data, trainer
 
 
-def _logger(cfg: DictConfig, allocator: TreeAllocator, env: Any) -> Any:
+def _logger(cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str) -> Any:
     """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint."""
     if cfg.logger is None:
         return None
     run_id = _checkpoint_run_id(_checkpoint_path(cfg))
-    tags = {
-        "allocator": allocator.name,
-        "env": env.name,
-        "model": Path(str(cfg.model.get("path", cfg.model._target_))).name,
-    }
-    logger = instantiate(cfg.logger, run_id=run_id, tags=tags if run_id is None else None)
-    if run_id is None and hasattr(logger, "log_hyperparams"):
+    if run_id is not None:
+        return instantiate(cfg.logger, run_id=run_id)
+    tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
+    logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
+    if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
     return logger
 
