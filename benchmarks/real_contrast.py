@@ -1,7 +1,7 @@
 """Real-model contrast benchmark: SmolLM2-135M-Instruct + LoRA on search_qa (FanOutQA sub-questions,
 BM25 over 10k Wikipedia summaries), every allocator at the same leaf budget, measured in one run.
 
-    python benchmarks/real_contrast.py                      # defaults below, ~30-60 min on 2 cores
+    python benchmarks/real_contrast.py                      # defaults below, ~20 min on 2 cores
     python benchmarks/real_contrast.py --iterations 1 --warmup 1 --leaves 12   # a quick look
 
 1. Warm-up: `--warmup` iterations with `uniform` allocation; the predictor head is fitted on their
