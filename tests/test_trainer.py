@@ -141,3 +141,12 @@ def test_configs_ship_inside_the_package_or_checkout():
         Path(config.__file__).resolve().parents[1].joinpath("conf", "train.yaml").is_file()
         or CONF.parent.name == "trace_lightning"
     )
+
+
+def test_scheduler_from_config_steps_the_learning_rate(tmp_path):
+    cfg = make_cfg(tmp_path, "debug=fast", "logger=none", "scheduler=warmup", "callbacks=none")
+    module, data, fit = trainer.build(cfg)
+    fit.fit(module, datamodule=data)
+    (scheduler,) = fit.lr_scheduler_configs
+    assert scheduler.interval == "step"
+    assert scheduler.scheduler.last_epoch == fit.global_step > 0  # stepped once per optimizer step

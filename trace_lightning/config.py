@@ -84,6 +84,7 @@ class TrainConfig:
     model: Any = MISSING
     adapter: Any = None
     optimizer: Any = MISSING
+    scheduler: Any = None
     engine: Any = MISSING
     env: Any = MISSING
     allocator: Any = MISSING

@@ -37,6 +37,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     module = TraceModule(
         model_path,
         optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
         adapter=instantiate(cfg.adapter) if cfg.adapter is not None else None,
         predictor_width=p.width,
         predictor_lr=p.lr,
