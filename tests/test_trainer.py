@@ -131,7 +131,7 @@ def test_cli_run_lands_in_mlflow_and_resume_continues_the_run(tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     cfg = make_cfg(tmp_path, "debug=fast", "ckpt_path=last")
-    with pytest.raises(FileNotFoundError, match="ckpt_path"):
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last"):
         trainer.build(cfg)
 
 

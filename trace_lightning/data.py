@@ -73,6 +73,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.prior = cold_start if cold_start is not None else BetaPrior(warmup=0)
         self.rng = np.random.default_rng(seed)
+        # The engine samples with torch's global RNG; the DataModule owns that stream between iterations
+        # (restored before and saved after each one), so whatever else draws from the global RNG in
+        # between (DataLoader seeds, a resume) cannot change what the next iteration samples.
+        self._sampling_rng = torch.Generator().manual_seed(seed).get_state()
         self.iteration = 0
         self.report: IterationReport | None = None
         self._runner: ReActRunner | None = None
@@ -90,9 +94,18 @@ class RolloutDataModule(L.LightningDataModule):
                 )
         return self._runner
 
-    def train_dataloader(self) -> DataLoader[RolloutBatch]:
-        module = self.trainer.lightning_module
-        batches = self.build_iteration(module)
+    def train_dataloader(self) -> DataLoader[RolloutBatch | None]:
+        """Iteration k is sampled for epoch k.
+
+        On resume Lightning first asks again for the epoch the checkpoint was taken in, whose iteration
+        was already sampled (and trained on, up to the save). That epoch gets a single `None` batch,
+        which `TraceModule.training_step` skips, so the RNG is not spent twice and the next epoch
+        samples exactly the iteration an uninterrupted run would. (An empty loader would make
+        Lightning stop the whole fit.)
+        """
+        if self.trainer.current_epoch < self.iteration:
+            return DataLoader([None], batch_size=None, collate_fn=lambda b: b)
+        batches = self.build_iteration(self.trainer.lightning_module)
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
     def build_iteration(self, module: Any) -> list[RolloutBatch]:
@@ -107,7 +120,9 @@ class RolloutDataModule(L.LightningDataModule):
         used_prior = self.prior.active(self.iteration)
         score = self._prior_scores if used_prior else module.predict_success
         weights_used = fingerprint(module)
+        torch.set_rng_state(self._sampling_rng)
         result = build_trees(pool, self.allocator, self.budget, score, runner, self.rng)
+        self._sampling_rng = torch.get_rng_state()
         for tree in result.trees:
             wins = sum(tree.nodes[leaf].reward >= 0.5 for leaf in tree.leaves())  # type: ignore[operator]
             self.prior.update(tree.task_id, int(wins), len(tree.leaves()) - int(wins))
@@ -137,14 +152,14 @@ class RolloutDataModule(L.LightningDataModule):
         return {
             "iteration": self.iteration,
             "rng": self.rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(),
+            "torch_rng": self._sampling_rng,
             "prior": self.prior.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
         self.rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(state["torch_rng"])
+        self._sampling_rng = state["torch_rng"]
         self.prior.load_state_dict(state["prior"])
 
 

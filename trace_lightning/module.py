@@ -149,7 +149,11 @@ class TraceModule(L.LightningModule):
 
     # ------------------------------------------------------------------ training
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: RolloutBatch | None, batch_idx: int) -> torch.Tensor | None:
+        if (
+            batch is None
+        ):  # the already-trained epoch of a resumed run (see RolloutDataModule.train_dataloader)
+            return None
         hp = self.hparams
         logp, hidden = self._forward(self.policy, batch.input_ids, batch.attention_mask)
         pg = clipped_surrogate(
@@ -183,8 +187,26 @@ class TraceModule(L.LightningModule):
             loss = loss + hp["predictor_coef"] * pred_loss
             metrics["train/predictor_mse"] = pred_loss.detach()
         metrics["train/loss"] = loss.detach()
+        # A NaN or inf loss would reach AdamW's moment estimates and spoil every later step, so the
+        # batch is dropped instead. Returning None makes Lightning skip this backward; with
+        # accumulate_grad_batches=1 its zero_grad has left every grad None, so the optimizer step that
+        # still runs changes no weight (with accumulation, the window's other micro-batches still count).
+        finite = bool(torch.isfinite(loss))
+        metrics["train/skipped_nonfinite"] = float(not finite)
         self.log_dict(metrics, batch_size=batch.input_ids.shape[0])
-        return loss
+        return loss if finite else None
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop a step whose gradients hold NaN or inf (a finite loss can still overflow in backward).
+
+        Every grad is set to None rather than zero: AdamW skips parameters without a grad, so neither
+        the weights, nor their moments, nor weight decay move. Runs before gradient clipping.
+        """
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        self.log("train/skipped_nonfinite_grad", float(not finite))
+        if not finite:
+            optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

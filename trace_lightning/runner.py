@@ -8,16 +8,24 @@ decoded text is only parsed for the action.
 
 Episodes end with a named stop reason: whatever the environment says ("answer", ...), or
 "turn_cap" (max_turns reached), "length_cap" (the episode's tokens reached max_episode_tokens),
-"token_budget" (the iteration's token budget ran out) or "env_error" (the environment raised).
-Only an environment verdict can earn a reward; every cap scores 0.
+"token_budget" (the iteration's token budget ran out), or a fault of the environment: "env_error"
+(step raised), "env_timeout" (step ran past `step_timeout`) or "env_invalid" (step returned something
+that is not a well-formed `Transition`, e.g. a NaN reward). Only an environment verdict can earn a
+reward; every cap and every fault scores 0. A fault fails its episode, never the iteration.
+
+Observations longer than `max_observation_chars` are cut to that length before tokenising (a search
+tool that returns a whole web page must not blow the episode's context); the cut is counted.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +46,93 @@ class RolloutCounters:
     tool_calls: int = 0
     tool_errors: int = 0
     env_errors: list[str] = field(default_factory=list)  # what the environment raised, for the log
+    env_timeouts: int = 0  # steps abandoned after `step_timeout` seconds
+    invalid_transitions: list[str] = field(default_factory=list)  # why each rejected transition was garbage
+    truncated_observations: int = 0  # observations cut to `max_observation_chars`
+
+
+T = TypeVar("T")
+_BOOL = (bool, np.bool_)  # numpy comparisons give np.bool_, which is as good a flag as bool
+TRUNCATION_MARK = " [...truncated]"
+MAX_ERROR_CHARS = 500  # an error message kept for the log; a huge one would only bloat the report
+
+
+class StepTimeout(Exception):
+    """`env.step` did not return within the runner's `step_timeout`."""
+
+
+def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
+    """`fn()`, or `StepTimeout` when it has not returned after `timeout` seconds (None: no limit).
+
+    A Python thread cannot be killed, so a call that times out is abandoned: it keeps running in the
+    background until it returns by itself, and its result is dropped (environments are functional, so
+    it changes nothing we keep). It runs in a fresh daemon thread rather than a ThreadPoolExecutor
+    worker because the interpreter joins executor workers at exit: one hung step would keep the
+    finished training process alive forever. A fresh thread costs ~0.1 ms, nothing next to a turn of
+    generation. Tools that run code (the sandboxed python tool) enforce their own process timeout;
+    this one is the last line of defence, and it means `env.step` must not rely on running in the
+    main thread (no `signal.alarm`).
+    """
+    if timeout is None:
+        return fn()
+    box: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as err:  # handed to the caller, who decides what is fatal
+            box.append((False, err))
+
+    thread = threading.Thread(target=target, name="env-step", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not box:
+        raise StepTimeout(f"env.step did not return within {timeout} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def transition_problem(tr: object) -> str | None:
+    """Why `tr` is not a transition the runner can use, or None when it is.
+
+    Nothing is clamped or coerced: a NaN reward or a reward of 1.7 is an environment bug, and training
+    on it would hide the bug while corrupting the advantages.
+    """
+    if not isinstance(tr, Transition):
+        return f"step returned {type(tr).__name__}, not a Transition"
+    if not isinstance(tr.done, _BOOL):
+        return f"done={tr.done!r} is not a bool"
+    if not isinstance(tr.observation, str):
+        return f"observation is {type(tr.observation).__name__}, not str"
+    if not (isinstance(tr.format_error, _BOOL) and isinstance(tr.tool_error, _BOOL)):
+        return f"format_error={tr.format_error!r} and tool_error={tr.tool_error!r} must be bools"
+    if tr.tool is not None and not isinstance(tr.tool, str):
+        return f"tool={tr.tool!r} is not a str or None"
+    if tr.done:
+        return _final_problem(tr.reward, tr.stop_reason)
+    return None
+
+
+def _final_problem(reward: object, stop_reason: object) -> str | None:
+    """A final transition needs a finite reward in [0, 1] and a string stop reason (or None)."""
+    if isinstance(reward, _BOOL) or not isinstance(reward, numbers.Real):
+        return f"done with reward={reward!r}: a final reward must be a number in [0, 1]"
+    if not (math.isfinite(reward) and 0.0 <= float(reward) <= 1.0):
+        return f"done with reward={reward!r}: a final reward must be finite and in [0, 1]"
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        return f"stop_reason={stop_reason!r} is not a str"
+    return None
+
+
+def describe_error(err: BaseException) -> str:
+    """`Type: message`, bounded, and safe even when the exception's own __str__ raises."""
+    try:
+        text = str(err)
+    except Exception:
+        text = "<unprintable>"
+    return f"{type(err).__name__}: {text}"[:MAX_ERROR_CHARS]
 
 
 @dataclass
@@ -61,14 +156,18 @@ class ReActRunner:
         sampling: SamplingParams,
         max_turns: int = 4,
         max_episode_tokens: int = 512,
+        step_timeout: float | None = 30.0,
+        max_observation_chars: int = 4000,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
         if max_episode_tokens < 1:
             raise ValueError(f"rollout.max_episode_tokens={max_episode_tokens} must be >= 1")
+        _check_limits(step_timeout, max_observation_chars)
         self.engine, self.tokenizer, self.env = engine, tokenizer, env
         self.sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *env.stop_strings))))
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.tasks = {t.task_id: t for t in env.tasks()}
         self.counters = RolloutCounters()
 
@@ -119,22 +218,18 @@ class ReActRunner:
     def _advance(self, ep: _Episode, action_ids: list[int]) -> bool:
         """Apply one turn to the environment and the tree. True when the episode continues."""
         self.counters.turns += 1
-        state = ep.tree.env_states[ep.node_id]
         text = self.tokenizer.decode(action_ids, skip_special_tokens=True)
-        try:
-            tr = self.env.step(ep.task, state, text)
-        except Exception as err:  # a faulty environment fails the episode, never the iteration
-            node = ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), [])
-            self._close(ep, node, "env_error")
-            self.counters.env_errors.append(f"{type(err).__name__}: {err}")
+        tr = self._step(ep.task, ep.tree.env_states[ep.node_id], text)
+        if isinstance(tr, str):  # a faulty environment fails the episode, never the iteration
+            self._close(ep, ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), []), tr)
             return False
-        self._count(tr)
-        obs_ids = [] if tr.done else self._observation_ids(tr.observation, action_ids)
+        self._count(tr, empty=not action_ids)
+        obs_ids = [] if tr.done else self._observation_ids(self._bounded(tr.observation), action_ids)
         node = ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), obs_ids)
         ep.tree.env_states[node] = tr.state
         ep.node_id, ep.turns, ep.tokens = node, ep.turns + 1, ep.tokens + len(action_ids) + len(obs_ids)
         if tr.done:
-            self._close(ep, node, tr.stop_reason or "done", reward=tr.reward or 0.0)
+            self._close(ep, node, tr.stop_reason or "done", reward=float(tr.reward))  # type: ignore[arg-type]
         elif ep.turns >= self.max_turns:
             self._close(ep, node, "turn_cap")
         elif ep.tokens >= self.max_episode_tokens:
@@ -142,6 +237,32 @@ class ReActRunner:
         else:
             return True
         return False
+
+    def _step(self, task: Task, state: Any, text: str) -> Transition | str:
+        """The environment's checked transition, or the stop reason of the fault that ends the episode."""
+        try:
+            tr = call_with_timeout(lambda: self.env.step(task, state, text), self.step_timeout)
+        except StepTimeout:
+            self.counters.env_timeouts += 1
+            return "env_timeout"
+        except Exception as err:
+            self.counters.env_errors.append(describe_error(err))
+            return "env_error"
+        problem = transition_problem(tr)
+        if problem is not None:
+            self.counters.invalid_transitions.append(problem[:MAX_ERROR_CHARS])
+            return "env_invalid"
+        return tr
+
+    def _bounded(self, observation: str) -> str:
+        """The observation cut to `max_observation_chars` (marked as cut, so the policy can tell)."""
+        limit = self.max_observation_chars
+        if len(observation) <= limit:
+            return observation
+        self.counters.truncated_observations += 1
+        if limit <= len(TRUNCATION_MARK):
+            return observation[:limit]
+        return observation[: limit - len(TRUNCATION_MARK)] + TRUNCATION_MARK
 
     def _observation_ids(self, observation: str, action_ids: list[int]) -> list[int]:
         """The environment's reply as a user turn, then the header of the next assistant turn."""
@@ -152,8 +273,9 @@ class ReActRunner:
         ) + f"\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _count(self, tr: Transition) -> None:
-        self.counters.format_errors += int(tr.format_error)
+    def _count(self, tr: Transition, empty: bool) -> None:
+        # A turn of zero tokens holds no action, whatever the environment made of the empty text.
+        self.counters.format_errors += int(tr.format_error or empty)
         self.counters.tool_calls += int(tr.tool is not None)
         self.counters.tool_errors += int(tr.tool_error)
 
@@ -162,3 +284,12 @@ class ReActRunner:
             node = ep.tree.add_turn(node, ep.stage, [], [])  # a leaf must be a fresh, childless turn
         ep.tree.finish(node, reward, reason)
         self.counters.stop_reasons[reason] += 1
+
+
+def _check_limits(step_timeout: float | None, max_observation_chars: int) -> None:
+    if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > 0):
+        raise ValueError(
+            f"rollout.step_timeout={step_timeout} must be a positive number of seconds, or null for no limit"
+        )
+    if max_observation_chars < 1:
+        raise ValueError(f"rollout.max_observation_chars={max_observation_chars} must be >= 1")

@@ -14,12 +14,12 @@ from typing import Any
 
 import hydra
 import lightning as L
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, TreeAllocator
+from trace_lightning.checkpoints import newest_valid_checkpoint, validate_checkpoint
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
@@ -30,6 +30,7 @@ config.register()
 def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     """Every component from its config group; nothing below receives a DictConfig."""
     L.seed_everything(cfg.seed, workers=True)
+    ckpt_path = _checkpoint_path(cfg)  # a missing or corrupt checkpoint fails now, naming the file
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
@@ -58,17 +59,19 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )
-    logger = _logger(cfg, allocator, env, model_path)
+    logger = _logger(cfg, allocator, env, model_path, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
     trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks)
     return module, data, trainer
 
 
-def _logger(cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str) -> Any:
+def _logger(
+    cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str, ckpt_path: str | None
+) -> Any:
     """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint."""
     if cfg.logger is None:
         return None
-    run_id = _checkpoint_run_id(_checkpoint_path(cfg))
+    run_id = _checkpoint_run_id(ckpt_path)
     if run_id is not None:
         return instantiate(cfg.logger, run_id=run_id)
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
@@ -79,22 +82,26 @@ def _logger(cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last` means this run_dir's last.ckpt (resume with the same run_dir=...)."""
+    """`ckpt_path=last`: the newest valid checkpoint of this run_dir (resume with the same run_dir=...).
+    An explicit path is validated first, so a corrupt file fails here naming it, not deep in Lightning."""
     if cfg.ckpt_path is None:
         return None
-    path = Path(cfg.run_dir) / "checkpoints" / "last.ckpt" if cfg.ckpt_path == "last" else Path(cfg.ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"ckpt_path={cfg.ckpt_path!r}: no checkpoint at {path}; pass run_dir=<the run to resume>"
-        )
-    return str(path)
+    if cfg.ckpt_path == "last":
+        found = newest_valid_checkpoint(Path(cfg.run_dir) / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(
+                f"ckpt_path=last: no valid checkpoint in {Path(cfg.run_dir) / 'checkpoints'}; "
+                "pass run_dir=<the run to resume>"
+            )
+        return str(found)
+    validate_checkpoint(cfg.ckpt_path)
+    return str(cfg.ckpt_path)
 
 
 def _checkpoint_run_id(ckpt_path: str | None) -> str | None:
     if ckpt_path is None:
         return None
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    return ckpt.get("mlflow_run_id")
+    return validate_checkpoint(ckpt_path).get("mlflow_run_id")
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

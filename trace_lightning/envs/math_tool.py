@@ -2,7 +2,8 @@
 
 The calculator walks the expression's `ast` and evaluates only numbers and arithmetic operators, so
 model text is never handed to `eval`. Sizes are bounded at every node (exponent, magnitude, length),
-so no expression can hang the process or exhaust memory.
+so no expression can hang the process or exhaust memory. The optional `python` tool (off by default)
+runs model-written programs in `sandbox.run_python`, never in this process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal
 
 from trace_lightning.envs.actions import ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.sandbox import SandboxLimits, format_observation, run_python
 from trace_lightning.envs.scoring import numbers_match
 
 MAX_EXPRESSION_CHARS = 200
@@ -203,12 +205,20 @@ SYSTEM_PROMPT = (
     "<calculate>expression</calculate> to compute arithmetic (numbers and + - * / ** ( ) only), or "
     "<answer>number</answer> to give the final answer. Results come back as <observation>...</observation>."
 )
+SYSTEM_PROMPT_WITH_PYTHON = (
+    "Solve the math problem. Think step by step, then end your turn with exactly one action: "
+    "<calculate>expression</calculate> to compute arithmetic (numbers and + - * / ** ( ) only), "
+    "<python>code</python> to run a short Python program (standard library only, no network; print the "
+    "values you need), or <answer>number</answer> to give the final answer. Results come back as "
+    "<observation>...</observation>."
+)
 
 
 class MathToolEnv:
     """Word problems solved with a calculator; reward 1.0 when the answered number is the gold.
 
-    State: `(tool calls so far,)`. The episode ends on `<answer>`; the runner caps the turns.
+    State: `(tool calls so far,)`. The episode ends on `<answer>`; the runner caps the turns. With
+    `python_tool=True` the model may also write `<python>code</python>`, run under `sandbox` limits.
     """
 
     name = "math_tool"
@@ -223,7 +233,18 @@ class MathToolEnv:
         n_tasks: int = 256,
         difficulty: int = 1,
         seed: int = 0,
+        python_tool: bool = False,
+        sandbox: SandboxLimits | None = None,
     ) -> None:
+        if sandbox is not None and not python_tool:
+            raise ValueError("env.sandbox is set but env.python_tool is false: set env.python_tool=true")
+        if sandbox is not None and not isinstance(sandbox, SandboxLimits):
+            raise TypeError("env.sandbox needs `_target_: trace_lightning.envs.sandbox.SandboxLimits`")
+        self._sandbox = (sandbox or SandboxLimits()) if python_tool else None
+        if python_tool:  # the prompt and the stop strings mention the tool only when it exists
+            self.system_prompt = SYSTEM_PROMPT_WITH_PYTHON
+            self.stop_strings = ("</calculate>", "</python>", "</answer>")
+            self.actions = ("calculate", "python", "answer")
         if n_tasks < 1:
             raise ValueError(f"env.n_tasks must be >= 1, got {n_tasks}")
         if source == "generated":
@@ -250,6 +271,8 @@ class MathToolEnv:
             reward = float(numbers_match(action.argument, task.answer[0]))
             return Transition("", True, reward, "answer", state, tool="answer")
         calls = (state[0] + 1,)
+        if action.name == "python":
+            return self._python(action.argument, calls)
         try:
             result = safe_calculate(action.argument)
         except CalculatorError as err:
@@ -257,6 +280,12 @@ class MathToolEnv:
                 _observe(f"error: {err}"), False, None, None, calls, tool="calculate", tool_error=True
             )
         return Transition(_observe(f"= {result}"), False, None, None, calls, tool="calculate")
+
+    def _python(self, code: str, calls: tuple[int]) -> Transition:
+        assert self._sandbox is not None  # "python" is an allowed action only when the tool is on
+        result = run_python(code, self._sandbox)
+        observation = format_observation(result)
+        return Transition(observation, False, None, None, calls, tool="python", tool_error=not result.ok)
 
 
 def _observe(text: str) -> str:

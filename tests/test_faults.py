@@ -1,0 +1,437 @@
+"""Fault injection: environments that hang, raise or return garbage, generations that never stop or
+are empty, non-finite losses and gradients, and batches with no contrast at all.
+
+Every rollout test builds one real iteration on the tiny Qwen3 (scripted engine, so it is fast and
+deterministic) and checks the same three things: the iteration completes and yields trainable
+batches, each faulty episode is a failure (reward 0) with the named stop reason, and the counters
+show it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from trace_lightning import allocation as alloc
+from trace_lightning.batching import ESTIMATORS, RolloutBatch
+from trace_lightning.data import RolloutDataModule
+from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
+from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.losses import clipped_surrogate
+from trace_lightning.module import TraceModule
+from trace_lightning.runner import (
+    TRUNCATION_MARK,
+    ReActRunner,
+    StepTimeout,
+    call_with_timeout,
+    transition_problem,
+)
+
+SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
+MAX_TURNS, MAX_EPISODE_TOKENS = 3, 96
+LETTERS = tuple(f"<choose>{c}</choose>" for c in "ABCD")
+
+
+# --------------------------------------------------------------------------- test doubles
+
+
+class ScriptedEngine:
+    """Answers every prompt with the next text of a fixed cycle, tokenised by the real tokenizer."""
+
+    def __init__(self, model: Any, tokenizer: Any, texts: Sequence[str] = LETTERS) -> None:
+        self.tokenizer, self.stats, self.i = tokenizer, EngineStats(), 0
+        self.ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        out = []
+        for _ in prompts:
+            ids = self.ids[self.i % len(self.ids)][: params.max_new_tokens]
+            self.i += 1
+            out.append(Completion(list(ids), [0.0] * len(ids), "stop"))
+        return out
+
+    def sync_weights(self) -> None:
+        pass
+
+
+class JunkEngine(ScriptedEngine):
+    """Never emits a stop: always exactly `max_new_tokens` tokens of "x", the worst a policy can do."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        x = self.tokenizer("x", add_special_tokens=False)["input_ids"][0]
+        self.caps = [*getattr(self, "caps", []), params.max_new_tokens]
+        return [Completion([x] * params.max_new_tokens, [0.0] * params.max_new_tokens, "length")] * len(
+            prompts
+        )
+
+
+class EmptyEngine(ScriptedEngine):
+    """Returns zero tokens for every prompt (an engine may, e.g. when EOS is sampled and stripped)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        return [Completion([], [], "eos") for _ in prompts]
+
+
+class FaultyEnv(ChainEnv):
+    """ChainEnv whose step is passed through `fault` whenever the policy's text matches `when`."""
+
+    def __init__(self, fault: Callable[[Transition], Any], when: Callable[[str], bool] = bool) -> None:
+        super().__init__(n_tasks=24, turns=3, seed=0)
+        self.fault, self.when, self.faults = fault, when, 0
+
+    def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
+        tr = super().step(task, state, action_text)
+        if not self.when(action_text):
+            return tr
+        self.faults += 1
+        return self.fault(tr)  # type: ignore[no-any-return]
+
+
+class ConstantEnv(ChainEnv):
+    """Two turns, then done with the same reward for every episode: all-success or all-failure."""
+
+    def __init__(self, reward: float) -> None:
+        super().__init__(n_tasks=24, turns=3, seed=0)
+        self.reward = reward
+
+    def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
+        if state[0] == 0:
+            return Transition("<observation>go on</observation>", False, None, None, (1, 0), tool="choose")
+        return Transition("", True, self.reward, "answer", (2, 0), tool="choose")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_module(model_dir: str, **kw: Any) -> TraceModule:
+    # weight_decay=0 as in conf/optimizer/adamw.yaml: with decay, AdamW moves weights even on zero grads
+    return TraceModule(
+        model_dir, functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), predictor_width=16, **kw
+    )
+
+
+def build(
+    module: TraceModule,
+    env: ChainEnv,
+    engine: type[ScriptedEngine] = ScriptedEngine,
+    allocator: alloc.TreeAllocator | None = None,
+    leaves: int = 8,
+    estimator: str = "tree_grpo",
+    **runner_kw: Any,
+) -> tuple[RolloutDataModule, list[RolloutBatch]]:
+    """One iteration; the runner is built here so the test can set its fault limits."""
+    data = RolloutDataModule(
+        env=env,
+        allocator=allocator or alloc.uniform(4),
+        engine=engine,
+        sampling=SAMPLING,
+        leaves=leaves,
+        pool_size=8,
+        micro_batch_size=4,
+        max_turns=runner_kw.pop("max_turns", MAX_TURNS),
+        max_episode_tokens=runner_kw.pop("max_episode_tokens", MAX_EPISODE_TOKENS),
+        estimator=estimator,
+    )
+    runner_engine = engine(model=module.policy, tokenizer=module.tokenizer)
+    data._runner = ReActRunner(
+        runner_engine, module.tokenizer, env, SAMPLING, data.max_turns, data.max_episode_tokens, **runner_kw
+    )
+    return data, data.build_iteration(module)
+
+
+def leaves_of(data: RolloutDataModule) -> list[Any]:
+    return [t.nodes[leaf] for t in data.report.result.trees for leaf in t.leaves()]
+
+
+def assert_faulted(
+    data: RolloutDataModule, batches: list[RolloutBatch], module: TraceModule, reason: str
+) -> int:
+    """The iteration completed and trains; every `reason` leaf failed and is counted. Returns how many."""
+    leaves, counters = leaves_of(data), data.report.counters
+    faulted = [n for n in leaves if n.stop_reason == reason]
+    assert faulted, f"no episode ended with {reason}: the test is vacuous"
+    assert all(n.reward == 0.0 for n in faulted)
+    assert counters.stop_reasons[reason] == len(faulted)
+    assert sum(counters.stop_reasons.values()) == len(leaves) == data.budget.leaves
+    assert batches and all(math.isfinite(module.training_step(b, 0).item()) for b in batches)
+    return len(faulted)
+
+
+@pytest.fixture
+def module(tiny_model_dir: str) -> TraceModule:
+    torch.manual_seed(0)
+    return make_module(tiny_model_dir)
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Lets abandoned hung steps finish when the test ends, so no thread outlives it for long."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+# --------------------------------------------------------------------------- environment faults
+
+
+def test_hanging_step_times_out_and_fails_only_its_episode(module: TraceModule, release: threading.Event):
+    env = FaultyEnv(lambda tr: (release.wait(), tr)[1], when=lambda text: "B" in text)
+    start = time.perf_counter()
+    data, batches = build(module, env, step_timeout=0.2)
+    n = assert_faulted(data, batches, module, "env_timeout")
+    assert data.report.counters.env_timeouts == n == env.faults
+    assert time.perf_counter() - start < 0.2 * n + 20  # each hang cost its timeout, not forever
+    assert any(leaf.stop_reason != "env_timeout" for leaf in leaves_of(data))  # the others went on
+
+
+GARBAGE: list[tuple[str, Callable[[Transition], Any]]] = [
+    ("none", lambda tr: None),
+    ("dict", lambda tr: {"observation": "ok", "done": False}),
+    ("nan_reward", lambda tr: replace(tr, done=True, reward=math.nan, stop_reason="answer")),
+    ("inf_reward", lambda tr: replace(tr, done=True, reward=math.inf, stop_reason="answer")),
+    ("reward_above_1", lambda tr: replace(tr, done=True, reward=1.5, stop_reason="answer")),
+    ("negative_reward", lambda tr: replace(tr, done=True, reward=-0.1, stop_reason="answer")),
+    ("no_reward_when_done", lambda tr: replace(tr, done=True, reward=None, stop_reason="answer")),
+    ("string_reward", lambda tr: replace(tr, done=True, reward="1.0", stop_reason="answer")),
+    ("bytes_observation", lambda tr: replace(tr, done=False, observation=b"<observation>")),
+    ("none_observation", lambda tr: replace(tr, done=False, observation=None)),
+    ("string_done", lambda tr: replace(tr, done="yes")),
+    ("string_format_error", lambda tr: replace(tr, format_error="no")),
+]
+
+
+@pytest.mark.parametrize(("kind", "make"), GARBAGE, ids=[k for k, _ in GARBAGE])
+def test_transition_problem_names_each_kind_of_garbage(kind: str, make: Callable[[Transition], Any]):
+    good = Transition("<observation>right</observation>", False, None, None, (1, 0), tool="choose")
+    assert transition_problem(good) is None
+    assert transition_problem(replace(good, done=True, reward=np.float32(1.0), stop_reason="x")) is None
+    assert transition_problem(make(good)) is not None
+
+
+def test_garbage_transitions_end_episodes_as_env_invalid(module: TraceModule):
+    kinds = iter(range(10**6))
+    env = FaultyEnv(lambda tr: GARBAGE[next(kinds) % len(GARBAGE)][1](tr))  # every step, every kind
+    data, batches = build(module, env, leaves=12)
+    n = assert_faulted(data, batches, module, "env_invalid")
+    assert n == 12 == env.faults  # each episode failed on its first turn, one kind of garbage each
+    assert len(data.report.counters.invalid_transitions) == n
+    assert all(len(leaf.action_ids) > 0 for leaf in leaves_of(data))  # its turn is kept, as context
+
+
+def test_huge_observation_is_truncated_and_counted(module: TraceModule):
+    env = FaultyEnv(lambda tr: tr if tr.done else replace(tr, observation="<observation>" + "y" * 10**6))
+    data, batches = build(module, env, max_observation_chars=200)
+    counters = data.report.counters
+    cut = [n for t in data.report.result.trees for n in t.nodes if n.obs_ids]
+    assert counters.truncated_observations == len(cut) > 0
+    for node in cut:  # the user turn holds the bounded text and the template, nothing more
+        text = module.tokenizer.decode(node.obs_ids)
+        assert TRUNCATION_MARK in text and text.count("y") == 200 - len("<observation>" + TRUNCATION_MARK)
+    assert all(math.isfinite(module.training_step(b, 0).item()) for b in batches)
+    assert not {"env_error", "env_invalid", "env_timeout"} & set(counters.stop_reasons)  # not a fault
+
+
+def test_default_observation_bound_is_4000_chars(module: TraceModule):
+    env = FaultyEnv(lambda tr: tr if tr.done else replace(tr, observation="z" * 10**5))
+    runner = ReActRunner(ScriptedEngine(None, module.tokenizer), module.tokenizer, env, SAMPLING)
+    assert len(runner._bounded("z" * 10**5)) == 4000 and len(runner._bounded("z" * 4000)) == 4000
+    assert runner.counters.truncated_observations == 1
+
+
+def test_failing_reward_function_is_env_error(module: TraceModule):
+    def score_crash(tr: Transition) -> Transition:
+        if tr.done:
+            raise ZeroDivisionError("reward function divided by zero")
+        return tr
+
+    env = FaultyEnv(score_crash)
+    data, batches = build(module, env)
+    n = assert_faulted(data, batches, module, "env_error")
+    assert len(data.report.counters.env_errors) == n
+    assert all(e.startswith("ZeroDivisionError: reward function") for e in data.report.counters.env_errors)
+
+
+def test_runner_validates_its_fault_limits(module: TraceModule):
+    env, engine = ChainEnv(n_tasks=4), ScriptedEngine(None, module.tokenizer)
+    for bad in (0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"rollout\.step_timeout"):
+            ReActRunner(engine, module.tokenizer, env, SAMPLING, step_timeout=bad)
+    with pytest.raises(ValueError, match=r"rollout\.max_observation_chars"):
+        ReActRunner(engine, module.tokenizer, env, SAMPLING, max_observation_chars=0)
+    assert ReActRunner(engine, module.tokenizer, env, SAMPLING, step_timeout=None).step_timeout is None
+
+
+def test_call_with_timeout_returns_raises_or_abandons(release: threading.Event):
+    assert call_with_timeout(lambda: 7, 1.0) == 7 and call_with_timeout(lambda: 8, None) == 8
+    with pytest.raises(KeyError):
+        call_with_timeout(lambda: {}["missing"], 1.0)
+    start = time.perf_counter()
+    with pytest.raises(StepTimeout):
+        call_with_timeout(release.wait, 0.05)
+    assert time.perf_counter() - start < 5
+
+
+# --------------------------------------------------------------------------- generation faults
+
+
+def test_generation_that_never_stops_hits_length_cap(module: TraceModule):
+    data, batches = build(module, ChainEnv(n_tasks=24, turns=3, seed=0), JunkEngine, max_turns=50)
+    n = assert_faulted(data, batches, module, "length_cap")
+    assert n == data.budget.leaves  # every episode, whatever the turn count allows
+    caps = data._runner.engine.caps
+    assert max(caps) <= SAMPLING.max_new_tokens
+    for tree in data.report.result.trees:
+        for leaf in tree.leaves():  # each one stopped once it had used its token allowance
+            path = [tree.nodes[i] for i in tree.path(leaf)]
+            assert sum(len(p.action_ids) + len(p.obs_ids) for p in path) >= MAX_EPISODE_TOKENS
+
+
+class LenientEnv(ChainEnv):
+    """Never flags a format error itself, so only the runner can count an empty turn as one."""
+
+    def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
+        return Transition("<observation>ok</observation>", False, None, None, state)
+
+
+def test_empty_completions_are_format_errors_and_batch_cleanly(module: TraceModule):
+    env = LenientEnv(n_tasks=24, turns=3, seed=0)
+    data, batches = build(module, env, EmptyEngine, allocator=alloc.trace(2, max_per_prompt=4), leaves=12)
+    counters = data.report.counters
+    assert counters.format_errors == counters.turns > 0
+    n = assert_faulted(data, batches, module, "turn_cap")
+    assert n == 12 and all(not node.action_ids for t in data.report.result.trees for node in t.nodes)
+    assert all(int(b.loss_mask.sum()) == 0 for b in batches)  # nothing to train, and no NaN from it
+
+
+# --------------------------------------------------------------------------- non-finite loss and grads
+
+
+class Probe(L.Callback):
+    """Optionally poisons batches; records the skip metrics and whether each step moved the weights."""
+
+    def __init__(self, poison: Callable[[int], bool] = lambda i: False) -> None:
+        self.poison, self.skipped, self.skipped_grad, self.moved, self.trained_tokens = poison, [], [], [], []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.before = [p.detach().clone() for p in module.parameters()]
+        self.trained_tokens.append(int(batch.loss_mask.sum()))
+        if self.poison(batch_idx):
+            batch.advantages.fill_(math.nan)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        metrics = trainer.callback_metrics
+        self.skipped.append(float(metrics["train/skipped_nonfinite"]))
+        self.skipped_grad.append(float(metrics["train/skipped_nonfinite_grad"]))
+        self.moved.append(
+            any(not torch.equal(a, b) for a, b in zip(self.before, module.parameters(), strict=True))
+        )
+
+
+def fit(module: TraceModule, data: RolloutDataModule, probe: Probe) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        accumulate_grad_batches=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    trainer.fit(module, datamodule=data)
+    return trainer
+
+
+def chain_data(
+    leaves: int = 12, env: ChainEnv | None = None, estimator: str = "tree_grpo"
+) -> RolloutDataModule:
+    return RolloutDataModule(
+        env=env or ChainEnv(n_tasks=24, turns=3, seed=0),
+        allocator=alloc.uniform(4),
+        engine=ScriptedEngine,
+        sampling=SAMPLING,
+        leaves=leaves,
+        pool_size=8,
+        micro_batch_size=4,
+        max_turns=MAX_TURNS,
+        max_episode_tokens=MAX_EPISODE_TOKENS,
+        estimator=estimator,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:.*returned `None`")
+def test_nan_loss_skips_the_update_and_is_logged(module: TraceModule):
+    probe = Probe(poison=lambda i: i == 0)  # the first of three steps has NaN advantages everywhere
+    trainer = fit(module, chain_data(), probe)
+    assert probe.trained_tokens[0] > 0  # the NaN reached trained tokens, so the loss was NaN
+    assert probe.skipped == [1.0, 0.0, 0.0] and probe.skipped_grad == [0.0, 0.0, 0.0]
+    assert probe.moved == [False, True, True]  # skipped, then training goes on unharmed
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert trainer.global_step == 3
+
+
+def test_nan_gradient_skips_the_update_and_is_logged(module: TraceModule):
+    weight = module.policy.model.layers[0].mlp.up_proj.weight
+    weight.register_hook(lambda grad: torch.full_like(grad, math.nan))  # a backward that overflowed
+    probe = Probe()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = fit(module, chain_data(), probe)
+    assert probe.skipped == [0.0, 0.0, 0.0] and probe.skipped_grad == [1.0, 1.0, 1.0]
+    assert probe.moved == [False, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    assert not trainer.optimizers[0].state  # AdamW saw no grad at all: no moments, no step count
+
+
+# --------------------------------------------------------------------------- no contrast at all
+
+
+@pytest.mark.parametrize("reward", [1.0, 0.0], ids=["all_success", "all_failure"])
+def test_batches_without_contrast_have_zero_advantages_and_no_nan(module: TraceModule, reward: float):
+    for estimator in ESTIMATORS:
+        _, batches = build(
+            module,
+            ConstantEnv(reward),
+            allocator=alloc.trace(2, max_per_prompt=4),
+            leaves=12,
+            estimator=estimator,
+        )
+        for b in batches:
+            assert all(torch.isfinite(t.float()).all() for t in vars(b).values()), estimator
+            assert torch.equal(b.advantages, torch.zeros_like(b.advantages)), estimator
+            assert_zero_policy_gradient(module, b)
+        targets = torch.cat([b.pred_targets for b in batches])
+        assert targets.numel() and bool((targets == reward).all()), estimator  # the head's job is clear
+
+
+def assert_zero_policy_gradient(module: TraceModule, batch: RolloutBatch) -> None:
+    module.zero_grad(set_to_none=True)
+    logp, _ = module._forward(module.policy, batch.input_ids, batch.attention_mask)
+    pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask)
+    pg.loss.backward()
+    assert pg.loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in module.policy.parameters())
+    module.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reward", [1.0, 0.0], ids=["all_success", "all_failure"])
+def test_step_without_contrast_leaves_the_policy_unchanged(module: TraceModule, reward: float):
+    policy = [p.detach().clone() for p in module.policy.parameters()]
+    head = [p.detach().clone() for p in module.head.parameters()]
+    trainer = fit(module, chain_data(env=ConstantEnv(reward)), Probe())
+    assert float(trainer.callback_metrics["train/policy_loss"]) == 0.0
+    assert math.isfinite(float(trainer.callback_metrics["train/predictor_mse"]))
+    assert all(torch.equal(a, b) for a, b in zip(policy, module.policy.parameters(), strict=True))
+    # the predictor still learns that these prompts always (or never) succeed
+    assert any(not torch.equal(a, b) for a, b in zip(head, module.head.parameters(), strict=True))

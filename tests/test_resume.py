@@ -1,0 +1,109 @@
+"""Resume: corrupt checkpoints are named, `last` skips them, and a resumed run samples exactly the
+iteration an uninterrupted run would have (also after SIGKILL), continuing the same MLflow run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+from trace_lightning import config, trainer
+from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
+
+FAST = ["debug=fast", "~callbacks.progress", "budget.leaves=12"]
+
+
+def make_cfg(tmp_path, run_dir, *overrides):
+    config.register()
+    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+        return compose("train", [f"output_root={tmp_path}", f"run_dir={run_dir}", *FAST, *overrides])
+
+
+def iteration_trees(run_dir: Path, k: int) -> dict:
+    record = json.loads((run_dir / "artifacts" / "trees" / f"iteration_{k:04d}.json").read_text())
+    return {"trees": record["trees"], "root_counts": record["root_counts"]}
+
+
+def test_truncated_checkpoint_is_named_and_last_skips_it(tmp_path):
+    run_dir = tmp_path / "run"
+    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=1", "logger=none"))
+    good = (run_dir / "checkpoints" / "last.ckpt").resolve()  # last.ckpt links to the iteration file
+    corrupt = run_dir / "checkpoints" / "newer.ckpt"
+    corrupt.write_bytes(good.read_bytes()[:1000])  # a save cut short
+    os.utime(corrupt, (time.time() + 10, time.time() + 10))
+    with pytest.raises(CheckpointError, match="newer.ckpt.*truncated or corrupt"):
+        validate_checkpoint(corrupt)
+    assert newest_valid_checkpoint(run_dir / "checkpoints").resolve() == good
+    with pytest.raises(CheckpointError, match="newer.ckpt"):
+        trainer.build(make_cfg(tmp_path, run_dir, f"ckpt_path={corrupt}", "logger=none"))
+
+
+def test_resumed_run_samples_the_same_next_iteration(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    trainer.train(make_cfg(tmp_path, straight, "trainer.max_epochs=3", "logger=none"))
+    trainer.train(make_cfg(tmp_path, resumed, "trainer.max_epochs=2", "logger=none"))
+    trainer.train(make_cfg(tmp_path, resumed, "trainer.max_epochs=3", "logger=none", "ckpt_path=last"))
+    assert iteration_trees(resumed, 2) == iteration_trees(straight, 2)
+    assert iteration_trees(resumed, 1) == iteration_trees(straight, 1)
+
+
+def cli(tmp_path, run_dir, *overrides):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
+    args = [f"output_root={tmp_path}", f"run_dir={run_dir}", *FAST, *overrides]
+    return subprocess.Popen(
+        [sys.executable, "-m", "trace_lightning.trainer", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_checkpoints(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until the run has finished `n` iterations (its n-th tree artifact is written)."""
+    deadline = time.time() + timeout
+    target = run_dir / "artifacts" / "trees" / f"iteration_{n - 1:04d}.json"
+    while not target.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run made no progress"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    long = ["trainer.max_epochs=4", "budget.leaves=24", "data.pool_size=16"]
+    assert cli(tmp_path, straight, *long).wait(timeout=600) == 0
+    proc = cli(tmp_path, killed, *long)
+    wait_for_checkpoints(killed, 2, proc)
+    time.sleep(0.3)  # into the third iteration
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = cli(tmp_path, killed, *long, "ckpt_path=last")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    for k in range(4):
+        assert iteration_trees(killed, k) == iteration_trees(straight, k), f"iteration {k} differs"
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
+    assert len(runs) == 2  # straight + killed; the resume continued the killed run instead of a third
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli(tmp_path, run_dir, "trainer.max_epochs=50", "logger=none")
+    wait_for_checkpoints(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    saved = run_dir / "checkpoints" / "sigterm.ckpt"
+    assert saved.is_file() and validate_checkpoint(saved)["global_step"] > 0
+    assert newest_valid_checkpoint(run_dir / "checkpoints") == saved
+    resumed = cli(tmp_path, run_dir, "trainer.max_epochs=3", "logger=none", "ckpt_path=last")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
