@@ -62,7 +62,7 @@ def build_trees(
 ) -> Iteration:
     """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`."""
     ledger = BudgetLedger(budget)
-    predicted = np.concatenate(score(pool, [[0]] * len(pool))) if pool else np.zeros(0)
+    predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
     counts = allocator.allocate_roots(predicted, budget, rng)
     trees = [tree for tree, m in zip(pool, counts, strict=True) if m > 0]
     for tree, v in zip(pool, predicted, strict=True):
@@ -91,7 +91,7 @@ def _expand(
 ) -> None:
     """Stage 2: score every candidate prefix, then split m_i * N continuations within each prompt."""
     node_ids = [prefix_candidates(t) for t in trees]
-    scores = score(trees, node_ids) if trees else []
+    scores = _checked(score(trees, node_ids), "prefixes") if trees else []
     branches = []
     for tree, nodes, v, m in zip(trees, node_ids, scores, n_bare, strict=True):
         won = backup(tree).successes  # each bare prefix has exactly one leaf below it: its rollout
@@ -105,3 +105,15 @@ def _expand(
         branches += [Branch(tree, c.node_id, int(k), "expand") for c, k in zip(cands, ks, strict=True) if k]
     ledger.reserve_leaves(sum(b.count for b in branches), "expand")
     run(branches, ledger, rng)
+
+
+def _checked(scores: list[np.ndarray], what: str) -> list[np.ndarray]:
+    """Predictions enter allocation here: a NaN or inf would silently skew it, so it stops the run."""
+    for v in scores:
+        if not np.all(np.isfinite(v)):
+            raise ValueError(
+                f"the predictor returned non-finite success probabilities for {what} "
+                f"({v[~np.isfinite(v)][:3]}); check the predictor head (predictor.lr, a NaN loss) "
+                "or the cold-start prior"
+            )
+    return scores

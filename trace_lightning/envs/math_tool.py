@@ -88,7 +88,8 @@ def _evaluate(node: ast.AST) -> float:
 def _bounded(value: object) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):  # e.g. (-8) ** 0.5 is complex
         raise CalculatorError("result is not a real number")
-    if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+    # compare the magnitude first: math.isfinite on an int beyond float range raises OverflowError
+    if abs(value) > MAX_MAGNITUDE or not math.isfinite(value):
         raise CalculatorError(f"number larger than {MAX_MAGNITUDE:.0e}")
     return value
 
@@ -223,8 +224,8 @@ class MathToolEnv:
 
     name = "math_tool"
     system_prompt = SYSTEM_PROMPT
-    stop_strings = ("</calculate>", "</answer>")
-    actions = ("calculate", "answer")
+    stop_strings: tuple[str, ...] = ("</calculate>", "</answer>")
+    actions: tuple[str, ...] = ("calculate", "answer")
 
     def __init__(
         self,
