@@ -118,16 +118,9 @@ def _spawn_and_wait(scratch: str, config: dict[str, Any], out: IO[bytes], err: I
     status_read, status_write = os.pipe()
     try:
         try:
+            launcher = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)]
             proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    "-B",
-                    os.path.abspath(__file__),
-                    json.dumps(config),
-                    str(status_write),
-                ],
+                [*launcher, str(status_write)],
                 cwd=scratch,
                 env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},  # no inherited secrets
                 stdin=subprocess.DEVNULL,
@@ -141,7 +134,8 @@ def _spawn_and_wait(scratch: str, config: dict[str, Any], out: IO[bytes], err: I
         exited = _exited_within(proc.pid, config["wall_seconds"] + _BACKSTOP_SECONDS)
         _kill_group(proc.pid)  # the launcher is not reaped yet, so its group id cannot have been reused
         proc.wait()
-        return _read_status(status_read) or {"timed_out": not exited, "exit_code": None, "namespaces": False}
+        report = _read_status(status_read)
+        return report or {"timed_out": not exited, "exit_code": None, "namespaces": False, "cpu_seconds": 0.0}
     finally:
         os.close(status_read)
 
@@ -150,8 +144,9 @@ def _exited_within(pid: int, seconds: float) -> bool:
     """Wait for `pid` to exit without reaping it (a pidfd becomes readable when its process exits)."""
     fd = os.pidfd_open(pid)
     try:
-        ready, _, _ = select.select([fd], [], [], seconds)
-        return bool(ready)
+        poller = select.poll()  # not select.select: a trainer may hold more than 1024 descriptors
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(seconds * 1000))
     finally:
         os.close(fd)
 
@@ -174,13 +169,8 @@ def _result(status: dict[str, Any], limits: SandboxLimits, out: IO[bytes], err: 
     timed_out, exit_code = bool(status["timed_out"]), status["exit_code"]
     ok = exit_code == 0 and not timed_out
     output = _read_bounded(out, limits.max_output_chars, tail=False)
-    error = (
-        None
-        if ok
-        else _describe_failure(
-            timed_out, exit_code, _read_bounded(err, limits.max_output_chars, tail=True), limits
-        )
-    )
+    stderr = _read_bounded(err, limits.max_output_chars, tail=True)
+    error = None if ok else _describe_failure(status, stderr, limits)
     return SandboxResult(ok, output, error, timed_out, exit_code, bool(status["namespaces"]))
 
 
@@ -196,13 +186,15 @@ def _read_bounded(file: IO[bytes], max_chars: int, *, tail: bool) -> str:
     return f"{_TRUNCATED}\n{text[-keep:]}" if tail else f"{text[:keep]}\n{_TRUNCATED}"
 
 
-def _describe_failure(timed_out: bool, exit_code: int | None, stderr: str, limits: SandboxLimits) -> str:
-    if timed_out:
+def _describe_failure(status: dict[str, Any], stderr: str, limits: SandboxLimits) -> str:
+    exit_code = status["exit_code"]
+    if status["timed_out"]:
         return f"timed out after {limits.wall_seconds:g} s"
-    if exit_code == -signal.SIGXCPU:
-        return f"killed: used more than {limits.cpu_seconds} s of CPU time"
+    # rusage samples CPU time more coarsely than the rlimit check, so it may read a little short.
+    if exit_code == -signal.SIGKILL and status["cpu_seconds"] >= 0.8 * limits.cpu_seconds:
+        return f"killed at the CPU time limit ({limits.cpu_seconds} s)"
     if exit_code is not None and exit_code < 0:
-        return f"killed by {signal.Signals(-exit_code).name} (CPU or memory limit)"
+        return f"killed by {signal.Signals(-exit_code).name}"
     return stderr.strip() or f"exit code {exit_code}"
 
 
@@ -226,15 +218,15 @@ def _launch(config: dict[str, Any], status_fd: int) -> NoReturn:
     if worker == 0:
         os.close(status_fd)
         os._exit(_worker(config, namespaces))
-    fd = os.pidfd_open(worker)
-    ready, _, _ = select.select([fd], [], [], config["wall_seconds"])
+    ready = _exited_within(worker, config["wall_seconds"])
     if not ready:
         os.kill(worker, signal.SIGKILL)
     # Waiting on a namespace's PID 1 also waits until the kernel has killed everything inside it.
-    _, wait_status = os.waitpid(worker, 0)
+    _, wait_status, usage = os.wait4(worker, 0)
     report = {
         "timed_out": not ready,
         "exit_code": os.waitstatus_to_exitcode(wait_status),
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "namespaces": namespaces,
     }
     os.write(status_fd, json.dumps(report).encode())
@@ -247,9 +239,9 @@ def _worker(config: dict[str, Any], namespaces: bool) -> int:
             os.setpgid(0, 0)  # its own group, so `kill(0, sig)` in the program cannot reach the launcher
         _libc_call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the launcher
         _set_limits(config)
-        _disarm_modules()
         scratch = os.getcwd()
         if config["audit_hook"]:
+            _disarm_modules()
             roots = tuple(os.path.realpath(p) for p in (scratch, *sys.path) if p)
             sys.addaudithook(_audit_hook(os.path.realpath(scratch), roots))
         return _run_program(PROGRAM)
@@ -268,7 +260,8 @@ def _libc_call(name: str, *args: int) -> int:
 
 def _set_limits(config: dict[str, Any]) -> None:
     cpu, memory, processes = config["cpu_seconds"], config["memory_mb"] * 2**20, config["max_processes"]
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL 1 s later
+    # Hard = soft: SIGKILL at the limit. SIGXCPU would not do: a namespace's PID 1 ignores it.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (_MAX_FILE_BYTES, _MAX_FILE_BYTES))
@@ -298,13 +291,11 @@ def _disarm_modules() -> None:
     for name in [m for m in sys.modules if m.partition(".")[0] in _BLOCKED_MODULES]:
         del sys.modules[name]
     # pidfd_open + pidfd_send_signal can signal a process with no audit event in Python 3.11.
-    for module, attribute in (
-        (os, "pidfd_open"),
-        (sys.modules["posix"], "pidfd_open"),
-        (signal, "pidfd_send_signal"),
-    ):
+    for module, attribute in ((os, "pidfd_open"), (signal, "pidfd_send_signal")):
         if hasattr(module, attribute):
             delattr(module, attribute)
+    if hasattr(sys.modules["posix"], "pidfd_open"):
+        del sys.modules["posix"].pidfd_open
 
 
 def _audit_hook(scratch: str, read_roots: tuple[str, ...]) -> Callable[[str, tuple[Any, ...]], None]:
@@ -324,7 +315,9 @@ def _refusal(event: str, args: tuple[Any, ...], scratch: str, read_roots: tuple[
         return f"import {args[0]}"
     if event == "open":
         path, mode, flags = args
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(flags & _WRITE_FLAGS)
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(
+            (flags or 0) & _WRITE_FLAGS
+        )
         if writes and not _inside(path, (scratch,)):
             return f"writing {path!r} (only the working directory is writable)"
         if not _inside(path, read_roots):
