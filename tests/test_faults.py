@@ -10,6 +10,7 @@ show it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 import time
@@ -69,11 +70,9 @@ class JunkEngine(ScriptedEngine):
     """Never emits a stop: always exactly `max_new_tokens` tokens of "x", the worst a policy can do."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        x = self.tokenizer("x", add_special_tokens=False)["input_ids"][0]
-        self.caps = [*getattr(self, "caps", []), params.max_new_tokens]
-        return [Completion([x] * params.max_new_tokens, [0.0] * params.max_new_tokens, "length")] * len(
-            prompts
-        )
+        x, n = self.tokenizer("x", add_special_tokens=False)["input_ids"][0], params.max_new_tokens
+        self.caps = [*getattr(self, "caps", []), n]
+        return [Completion([x] * n, [0.0] * n, "length") for _ in prompts]
 
 
 class EmptyEngine(ScriptedEngine):
@@ -96,6 +95,13 @@ class FaultyEnv(ChainEnv):
             return tr
         self.faults += 1
         return self.fault(tr)  # type: ignore[no-any-return]
+
+
+class LenientEnv(ChainEnv):
+    """Never flags a format error itself, so only the runner can count an empty turn as one."""
+
+    def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
+        return Transition("<observation>ok</observation>", False, None, None, state)
 
 
 class ConstantEnv(ChainEnv):
@@ -191,7 +197,7 @@ def test_hanging_step_times_out_and_fails_only_its_episode(module: TraceModule, 
     data, batches = build(module, env, step_timeout=0.2)
     n = assert_faulted(data, batches, module, "env_timeout")
     assert data.report.counters.env_timeouts == n == env.faults
-    assert time.perf_counter() - start < 0.2 * n + 20  # each hang cost its timeout, not forever
+    assert time.perf_counter() - start < 0.2 * n + 10  # each hang cost about its timeout
     assert any(leaf.stop_reason != "env_timeout" for leaf in leaves_of(data))  # the others went on
 
 
@@ -220,7 +226,7 @@ def test_transition_problem_names_each_kind_of_garbage(kind: str, make: Callable
 
 
 def test_garbage_transitions_end_episodes_as_env_invalid(module: TraceModule):
-    kinds = iter(range(10**6))
+    kinds = itertools.count()
     env = FaultyEnv(lambda tr: GARBAGE[next(kinds) % len(GARBAGE)][1](tr))  # every step, every kind
     data, batches = build(module, env, leaves=12)
     n = assert_faulted(data, batches, module, "env_invalid")
@@ -243,7 +249,7 @@ def test_huge_observation_is_truncated_and_counted(module: TraceModule):
 
 
 def test_default_observation_bound_is_4000_chars(module: TraceModule):
-    env = FaultyEnv(lambda tr: tr if tr.done else replace(tr, observation="z" * 10**5))
+    env = ChainEnv(n_tasks=4)
     runner = ReActRunner(ScriptedEngine(None, module.tokenizer), module.tokenizer, env, SAMPLING)
     assert len(runner._bounded("z" * 10**5)) == 4000 and len(runner._bounded("z" * 4000)) == 4000
     assert runner.counters.truncated_observations == 1
@@ -286,22 +292,16 @@ def test_call_with_timeout_returns_raises_or_abandons(release: threading.Event):
 
 
 def test_generation_that_never_stops_hits_length_cap(module: TraceModule):
-    data, batches = build(module, ChainEnv(n_tasks=24, turns=3, seed=0), JunkEngine, max_turns=50)
+    env = LenientEnv(n_tasks=24, turns=3, seed=0)  # short replies, so episodes take several turns
+    data, batches = build(module, env, JunkEngine, max_turns=50)
     n = assert_faulted(data, batches, module, "length_cap")
     assert n == data.budget.leaves  # every episode, whatever the turn count allows
-    caps = data._runner.engine.caps
-    assert max(caps) <= SAMPLING.max_new_tokens
+    assert data.report.counters.turns > n  # several turns each, every one a full max_new_tokens of junk
+    assert max(data._runner.engine.caps) == SAMPLING.max_new_tokens
     for tree in data.report.result.trees:
         for leaf in tree.leaves():  # each one stopped once it had used its token allowance
             path = [tree.nodes[i] for i in tree.path(leaf)]
             assert sum(len(p.action_ids) + len(p.obs_ids) for p in path) >= MAX_EPISODE_TOKENS
-
-
-class LenientEnv(ChainEnv):
-    """Never flags a format error itself, so only the runner can count an empty turn as one."""
-
-    def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
-        return Transition("<observation>ok</observation>", False, None, None, state)
 
 
 def test_empty_completions_are_format_errors_and_batch_cleanly(module: TraceModule):
@@ -416,6 +416,7 @@ def test_batches_without_contrast_have_zero_advantages_and_no_nan(module: TraceM
 
 
 def assert_zero_policy_gradient(module: TraceModule, batch: RolloutBatch) -> None:
+    assert batch.loss_mask.any()  # there are tokens to train, so a zero gradient is not vacuous
     module.zero_grad(set_to_none=True)
     logp, _ = module._forward(module.policy, batch.input_ids, batch.attention_mask)
     pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask)
@@ -429,7 +430,9 @@ def assert_zero_policy_gradient(module: TraceModule, batch: RolloutBatch) -> Non
 def test_step_without_contrast_leaves_the_policy_unchanged(module: TraceModule, reward: float):
     policy = [p.detach().clone() for p in module.policy.parameters()]
     head = [p.detach().clone() for p in module.head.parameters()]
-    trainer = fit(module, chain_data(env=ConstantEnv(reward)), Probe())
+    probe = Probe()
+    trainer = fit(module, chain_data(env=ConstantEnv(reward)), probe)
+    assert min(probe.trained_tokens) > 0 and probe.skipped == probe.skipped_grad == [0.0] * 3
     assert float(trainer.callback_metrics["train/policy_loss"]) == 0.0
     assert math.isfinite(float(trainer.callback_metrics["train/predictor_mse"]))
     assert all(torch.equal(a, b) for a, b in zip(policy, module.policy.parameters(), strict=True))

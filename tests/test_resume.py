@@ -107,3 +107,21 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     assert newest_valid_checkpoint(run_dir / "checkpoints") == saved
     resumed = cli(tmp_path, run_dir, "trainer.max_epochs=3", "logger=none", "ckpt_path=last")
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+
+
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    from trace_lightning.checkpoints import AtomicCheckpointIO
+
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {}, "epoch": 1, "global_step": 3}, target)
+
+    def dies_midway(obj, f):
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt  # the process is killed while writing
+
+    monkeypatch.setattr("trace_lightning.checkpoints.torch.save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"state_dict": {}, "epoch": 2, "global_step": 6}, target)
+    assert validate_checkpoint(target)["epoch"] == 1  # the old file, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no partial file left behind

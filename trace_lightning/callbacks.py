@@ -61,6 +61,9 @@ def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, 
         "rollout/tool_calls": float(c.tool_calls),
         "rollout/tool_errors": float(c.tool_errors),
         "rollout/env_errors": float(len(c.env_errors)),
+        "rollout/env_timeouts": float(c.env_timeouts),
+        "rollout/env_invalid": float(len(c.invalid_transitions)),
+        "rollout/truncated_observations": float(c.truncated_observations),
         "rollout/used_prior": float(report.used_prior),
     }
     out |= {f"rollout/stop/{_key_safe(r)}": float(n) for r, n in sorted(c.stop_reasons.items())}

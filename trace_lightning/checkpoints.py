@@ -1,9 +1,10 @@
 """Checkpoints that a long RL run can trust: found, validated, and saved on SIGTERM.
 
-Lightning already writes local checkpoints atomically (a temporary file moved into place by an
-fsspec transaction), so a crash mid-save leaves the previous file intact. What it does not do is
-tell a truncated or corrupt file from a good one before resuming: `validate_checkpoint` does, with an
-error that names the file, and `newest_valid_checkpoint` skips such files for `ckpt_path=last`.
+`AtomicCheckpointIO` writes each checkpoint to a temporary file in the same directory and renames it
+into place (Lightning's own fsspec transaction stages in the system temp dir, and a move across
+filesystems is a copy that a crash can leave half-written). `validate_checkpoint` tells a truncated
+or corrupt file from a good one with an error that names the file, and `newest_valid_checkpoint`
+skips such files for `ckpt_path=last`.
 
 Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
 weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
@@ -15,11 +16,13 @@ iteration; resuming from it drops the rest of that iteration's batches (see
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 REQUIRED_KEYS = ("state_dict", "epoch", "global_step")
@@ -73,3 +76,22 @@ class SaveOnSigterm(L.Callback):
         if isinstance(exception, SIGTERMException):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             trainer.save_checkpoint(self.dirpath / "sigterm.ckpt")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to `<file>.tmp` beside the target, fsync, then os.replace: all or nothing."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)

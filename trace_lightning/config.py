@@ -27,6 +27,8 @@ class DataConfig:
     micro_batch_size: int = 4
     max_turns: int = 3
     max_episode_tokens: int = 768
+    step_timeout: float | None = 30.0  # seconds an environment step may take before the episode fails
+    max_observation_chars: int = 4000
 
 
 @dataclass

@@ -55,6 +55,8 @@ class RolloutDataModule(L.LightningDataModule):
         micro_batch_size: int = 4,
         max_turns: int = 4,
         max_episode_tokens: int = 256,
+        step_timeout: float | None = 30.0,
+        max_observation_chars: int = 4000,
         estimator: str = "tree_grpo",
         cold_start: BetaPrior | None = None,
         seed: int = 0,
@@ -71,6 +73,7 @@ class RolloutDataModule(L.LightningDataModule):
         allocator.n_roots(self.budget)  # a budget the allocator cannot split fails here, at start-up
         self.pool_size, self.micro_batch_size, self.estimator = pool_size, micro_batch_size, estimator
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.prior = cold_start if cold_start is not None else BetaPrior(warmup=0)
         self.rng = np.random.default_rng(seed)
         # The engine samples with torch's global RNG; the DataModule owns that stream between iterations
@@ -85,7 +88,14 @@ class RolloutDataModule(L.LightningDataModule):
         if self._runner is None:
             engine = self.engine_factory(model=module.policy, tokenizer=module.tokenizer)
             self._runner = ReActRunner(
-                engine, module.tokenizer, self.env, self.sampling, self.max_turns, self.max_episode_tokens
+                engine,
+                module.tokenizer,
+                self.env,
+                self.sampling,
+                self.max_turns,
+                self.max_episode_tokens,
+                self.step_timeout,
+                self.max_observation_chars,
             )
             n_tasks = len(self._runner.tasks)
             if n_tasks < self.pool_size:

@@ -191,10 +191,10 @@ class TraceModule(L.LightningModule):
         # batch is dropped instead. Returning None makes Lightning skip this backward; with
         # accumulate_grad_batches=1 its zero_grad has left every grad None, so the optimizer step that
         # still runs changes no weight (with accumulation, the window's other micro-batches still count).
-        finite = bool(torch.isfinite(loss))
-        metrics["train/skipped_nonfinite"] = float(not finite)
+        finite = torch.isfinite(loss)
+        metrics["train/skipped_nonfinite"] = (~finite).float()
         self.log_dict(metrics, batch_size=batch.input_ids.shape[0])
-        return loss if finite else None
+        return loss if bool(finite) else None
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop a step whose gradients hold NaN or inf (a finite loss can still overflow in backward).

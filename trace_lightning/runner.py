@@ -201,7 +201,7 @@ class ReActRunner:
         """One policy turn for every live episode; returns those that go on."""
         budget_left = ledger.tokens_left()
         share = self.sampling.max_new_tokens if budget_left is None else budget_left // len(live)
-        cap = min(self.sampling.max_new_tokens, share, *(self.max_episode_tokens - ep.tokens for ep in live))
+        cap = min(self.sampling.max_new_tokens, share)
         if cap < 1:  # the iteration's token budget cannot give every live episode one more token
             for ep in live:
                 self._close(ep, ep.node_id, "token_budget")
@@ -210,8 +210,11 @@ class ReActRunner:
         completions = self.engine.generate([ep.tree.token_ids(ep.node_id) for ep in live], params)
         going = []
         for ep, completion in zip(live, completions, strict=True):
-            ledger.charge_tokens(len(completion.token_ids), ep.stage, ep.turns + 1)
-            if self._advance(ep, completion.token_ids):
+            # One batched call serves episodes with different room left: each keeps only what fits its
+            # own max_episode_tokens (the rest is cut, as a length cap would have), and pays for that.
+            action_ids = completion.token_ids[: max(self.max_episode_tokens - ep.tokens, 1)]
+            ledger.charge_tokens(len(action_ids), ep.stage, ep.turns + 1)
+            if self._advance(ep, action_ids):
                 going.append(ep)
         return going
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, TreeAllocator
-from trace_lightning.checkpoints import newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoints import AtomicCheckpointIO, newest_valid_checkpoint, validate_checkpoint
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
@@ -61,7 +61,12 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     )
     logger = _logger(cfg, allocator, env, model_path, ckpt_path)
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
-    trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks)
+    trainer = instantiate(
+        cfg.trainer,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+    )
     return module, data, trainer
 
 
