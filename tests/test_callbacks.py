@@ -5,10 +5,10 @@ import functools
 import json
 from collections import Counter
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
+from helpers import quiet_trainer
 from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning import allocation as alloc
@@ -214,16 +214,7 @@ def test_fit_logs_metrics_and_artifacts_to_mlflow(tiny_model_dir, tmp_path, monk
         max_episode_tokens=96,
     )
     callbacks = [RolloutStats(), PredictorCalibration(), TreeArtifacts(str(tmp_path / "out"))]
-    trainer = L.Trainer(
-        max_epochs=2,
-        reload_dataloaders_every_n_epochs=1,
-        accelerator="cpu",
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(max_epochs=2, logger=logger, callbacks=callbacks)
     trainer.fit(module, datamodule=data)
     client = MlflowClient(uri)
     history = {

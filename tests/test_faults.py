@@ -22,6 +22,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from helpers import quiet_trainer
 
 from trace_lightning import allocation as alloc
 from trace_lightning.batching import ESTIMATORS, RolloutBatch
@@ -339,17 +340,7 @@ class Probe(L.Callback):
 
 
 def fit(module: TraceModule, data: RolloutDataModule, probe: Probe) -> L.Trainer:
-    trainer = L.Trainer(
-        max_epochs=1,
-        reload_dataloaders_every_n_epochs=1,
-        accumulate_grad_batches=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
+    trainer = quiet_trainer(accumulate_grad_batches=1, callbacks=[probe])
     trainer.fit(module, datamodule=data)
     return trainer
 

@@ -6,6 +6,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from helpers import quiet_trainer
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
@@ -67,16 +68,7 @@ class Recorder(L.Callback):
 
 
 def fit(module, data, epochs=2, callbacks=()):
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        reload_dataloaders_every_n_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
+    trainer = quiet_trainer(max_epochs=epochs, callbacks=list(callbacks))
     trainer.fit(module, datamodule=data)
     return trainer
 
