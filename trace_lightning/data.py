@@ -13,6 +13,7 @@ returns all three so a resumed run continues the same sequence.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
@@ -130,9 +132,17 @@ class RolloutDataModule(L.LightningDataModule):
         used_prior = self.prior.active(self.iteration)
         score = self._prior_scores if used_prior else module.predict_success
         weights_used = fingerprint(module)
+        rank_zero_info(
+            f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
+        )
+        start = time.perf_counter()
         torch.set_rng_state(self._sampling_rng)
         result = build_trees(pool, self.allocator, self.budget, score, runner, self.rng)
         self._sampling_rng = torch.get_rng_state()
+        rank_zero_info(
+            f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
+            f"prompts, {result.ledger.tokens_used} tokens in {time.perf_counter() - start:.1f} s"
+        )
         for tree in result.trees:
             wins = sum(tree.nodes[leaf].reward >= 0.5 for leaf in tree.leaves())  # type: ignore[operator]
             self.prior.update(tree.task_id, int(wins), len(tree.leaves()) - int(wins))
