@@ -40,7 +40,8 @@ def validate_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {path} does not exist; pass ckpt_path=<a .ckpt file> or ckpt_path=last"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        # mmap: tensors stay on disk, so validating a multi-GB checkpoint costs an index read, not a copy
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # truncated zip, bad pickle, wrong format: all mean the same to the user
         raise CheckpointError(
             f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err}); "
