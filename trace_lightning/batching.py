@@ -146,17 +146,26 @@ def _sequence(
     return LeafSequence(ti, leaf, ids, mask, advs, positions, targets, weights)
 
 
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> right-padded ids and attention mask.  # [B, T], [B, T]"""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
 def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:
     """Right-pad a list of sequences into one micro-batch."""
-    width = max(len(s.token_ids) for s in seqs)
+    input_ids, attention_mask = right_pad([s.token_ids for s in seqs], pad_id)
+    width = input_ids.shape[1]
 
     def pad(rows: list[list[float]] | list[list[int]], value: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
     rows = [i for i, s in enumerate(seqs) for _ in s.pred_positions]
     return RolloutBatch(
-        input_ids=pad([s.token_ids for s in seqs], pad_id, torch.long),
-        attention_mask=pad([[1] * len(s.token_ids) for s in seqs], 0, torch.long),
+        input_ids=input_ids,
+        attention_mask=attention_mask,
         loss_mask=pad([s.loss_mask for s in seqs], 0, torch.long),
         advantages=pad([s.advantages for s in seqs], 0.0, torch.float32),
         old_logprobs=torch.zeros(len(seqs), width),

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trace_lightning.batching import RolloutBatch
+from trace_lightning.batching import RolloutBatch, right_pad
 from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
 from trace_lightning.predictor import SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
@@ -134,7 +134,7 @@ class TraceModule(L.LightningModule):
             seqs = [trees[ti].token_ids(src) for ti, src, _ in chunk]
             rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
             cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
-            ids, mask = _right_pad(seqs, self.tokenizer.pad_token_id)
+            ids, mask = right_pad(seqs, self.tokenizer.pad_token_id)
             hidden = self._predictor_hidden(ids.to(self.device), mask.to(self.device), None)
             logits = self.head(
                 gather_positions(
@@ -239,10 +239,3 @@ class TraceModule(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
         }
-
-
-def _right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs])  # [B, T]
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # [B, T]
-    return ids, mask

@@ -283,7 +283,7 @@ class ReActRunner:
         self.counters.tool_errors += int(tr.tool_error)
 
     def _close(self, ep: _Episode, node: int, reason: str, reward: float = 0.0) -> None:
-        if node == 0 or ep.tree.nodes[node].children or ep.tree.nodes[node].reward is not None:
+        if node == 0 or ep.tree.nodes[node].children:
             node = ep.tree.add_turn(node, ep.stage, [], [])  # a leaf must be a fresh, childless turn
         ep.tree.finish(node, reward, reason)
         self.counters.stop_reasons[reason] += 1
