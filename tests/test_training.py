@@ -31,12 +31,12 @@ def make_module(model_dir, adapter=None, **kw):
     )
 
 
-def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, **kw):
+def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, sampling=SAMPLING, **kw):
     return RolloutDataModule(
         env=ChainEnv(n_tasks=24, turns=3, seed=0),
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
-        sampling=SAMPLING,
+        sampling=sampling,
         leaves=leaves,
         max_tokens=max_tokens,
         pool_size=8,

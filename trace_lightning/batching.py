@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +35,7 @@ class LeafSequence:
     pred_positions: list[int]  # [K] last token of each prefix whose target this sequence carries
     pred_targets: list[float]  # [K] V̂ of those prefixes
     pred_weights: list[float]  # [K] their leaf counts
+    engine_logprobs: list[float]  # [T] the engine's log-prob on the trained tokens, NaN elsewhere or unknown
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _sequence(
     target_of: dict[int, tuple[float, float]],
 ) -> LeafSequence:
     ids, mask, advs = list(tree.prompt_ids), [0] * len(tree.prompt_ids), [0.0] * len(tree.prompt_ids)
+    engine = [math.nan] * len(tree.prompt_ids)
     positions, targets, weights = [], [], []
 
     def add_target(node: int) -> None:
@@ -142,8 +145,12 @@ def _sequence(
         ids += node.action_ids + node.obs_ids
         mask += [int(owned)] * len(node.action_ids) + [0] * len(node.obs_ids)
         advs += [float(a[n]) if owned else 0.0] * len(node.action_ids) + [0.0] * len(node.obs_ids)
+        known = owned and len(node.action_logprobs) == len(node.action_ids)
+        engine += (node.action_logprobs if known else [math.nan] * len(node.action_ids)) + [math.nan] * len(
+            node.obs_ids
+        )
         add_target(n)
-    return LeafSequence(ti, leaf, ids, mask, advs, positions, targets, weights)
+    return LeafSequence(ti, leaf, ids, mask, advs, positions, targets, weights, engine)
 
 
 def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ hook `datamodule.report` describes the iteration the coming epoch trains on. Key
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,22 @@ def _mean(values: Any) -> float:
 def rollout_metrics(report: IterationReport, engine_stats: EngineStats | None = None) -> dict[str, float]:
     """Everything `RolloutStats` logs for one iteration, except the running sums."""
     stats = [tree_stats(t, SUCCESS) for t in report.result.trees]
-    return _rollout_part(report, stats) | _budget_part(report.result.ledger, engine_stats) | _tree_part(stats)
+    return (
+        _rollout_part(report, stats)
+        | _budget_part(report.result.ledger, engine_stats)
+        | _tree_part(stats)
+        | _engine_part(report)
+    )
+
+
+def _engine_part(report: IterationReport) -> dict[str, float]:
+    """Engine health: weight-sync time, and engine vs trainer log-probs on the same tokens (near 0 when
+    the engine samples from the trained weights; a stale engine shows up here first)."""
+    out = {"engine/sync_seconds": report.sync_seconds, "rollout/sample_seconds": report.sample_seconds}
+    if math.isfinite(report.logprob_mismatch):
+        out["engine/logprob_mismatch"] = report.logprob_mismatch
+        out["engine/logprob_mismatch_max"] = report.logprob_mismatch_max
+    return out
 
 
 def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, float]:

@@ -13,6 +13,7 @@ returns all three so a resumed run continues the same sequence.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,14 +22,22 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
-from trace_lightning.batching import ESTIMATORS, RolloutBatch, collate, leaf_sequences, node_advantages
+from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
+from trace_lightning.batching import (
+    ESTIMATORS,
+    LeafSequence,
+    RolloutBatch,
+    collate,
+    leaf_sequences,
+    node_advantages,
+)
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment
-from trace_lightning.iteration import Iteration, build_trees
+from trace_lightning.iteration import Iteration, Shard, build_trees
 from trace_lightning.runner import ReActRunner, RolloutCounters
 from trace_lightning.tree import RolloutTree
 
@@ -42,6 +51,13 @@ class IterationReport:
     counters: RolloutCounters
     used_prior: bool
     policy_fingerprint: float  # sum of trainable weights when the rollouts were sampled
+    sync_seconds: float = 0.0  # engine weight sync before this iteration's sampling (0: already in sync)
+    sample_seconds: float = 0.0  # tree building: scoring, allocation, generation and environment steps
+    # |engine log-prob - trainer log-prob| on the trained tokens, same weights, same temperature: the
+    # mean and max over tokens (NaN when the engine reported none). Large values mean a stale engine.
+    logprob_mismatch: float = math.nan
+    logprob_mismatch_max: float = math.nan
+    processes: int = 1  # processes whose trees `result` gathers (multi-process training)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -85,6 +101,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.iteration = 0
         self.report: IterationReport | None = None
         self._runner: ReActRunner | None = None
+        self._engine_version: float | None = None  # policy fingerprint the engine last synced to
 
     def _runner_for(self, module: Any) -> ReActRunner:
         if self._runner is None:
@@ -121,7 +138,13 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
     def build_iteration(self, module: Any) -> list[RolloutBatch]:
-        """Sample one iteration of trees with the module's current policy and turn them into batches."""
+        """Sample one iteration of trees with the module's current policy and turn them into batches.
+
+        With several processes (DDP), every process draws the same candidate pool, scores its share
+        of it, and gathers the scores, so that all make the same Stage 1 allocation over the whole
+        pool and the leaf budget holds globally; each then rolls out the prompts it owns. The report
+        and the cold-start prior see every process's trees; the batches hold this process's only.
+        """
         runner = self._runner_for(module)
         runner.counters = RolloutCounters()
         task_ids = sorted(runner.tasks)
@@ -132,39 +155,140 @@ class RolloutDataModule(L.LightningDataModule):
         used_prior = self.prior.active(self.iteration)
         score = self._prior_scores if used_prior else module.predict_success
         weights_used = fingerprint(module)
+        sync_seconds = self._sync_engine(runner.engine, module)
         rank_zero_info(
             f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
         )
         start = time.perf_counter()
         torch.set_rng_state(self._sampling_rng)
-        result = build_trees(pool, self.allocator, self.budget, score, runner, self.rng)
+        local = build_trees(
+            pool, self.allocator, self._budget(), score, runner, self.rng, self._shard(pool, score)
+        )
         self._sampling_rng = torch.get_rng_state()
+        if hasattr(runner.engine, "sleep"):  # optional: frees accelerator memory for training
+            runner.engine.sleep()
+        sample_seconds = time.perf_counter() - start
+        result, counters = self._gathered(local, runner.counters)
         rank_zero_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
-            f"prompts, {result.ledger.tokens_used} tokens in {time.perf_counter() - start:.1f} s"
+            f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
         for tree in result.trees:
             wins = sum(tree.nodes[leaf].reward >= 0.5 for leaf in tree.leaves())  # type: ignore[operator]
             self.prior.update(tree.task_id, int(wins), len(tree.leaves()) - int(wins))
-        self.report = IterationReport(self.iteration, result, runner.counters, used_prior, weights_used)
+        batches, gaps = self._batches(local.trees, module, pool)
+        mismatch = _mean_max(np.concatenate(self._all_gather(gaps)))
+        self.report = IterationReport(
+            self.iteration,
+            result,
+            counters,
+            used_prior,
+            weights_used,
+            sync_seconds,
+            sample_seconds,
+            *mismatch,
+            processes=self._world()[1],
+        )
         self.iteration += 1
-        return self._batches(result.trees, module)
+        return batches
+
+    # ------------------------------------------------------------------ engine
+
+    def _sync_engine(self, engine: GenerationEngine, module: Any) -> float:
+        """Bring the engine to the policy's current weights when they changed since its last sync (or it
+        has never been synced: a resumed policy differs from the weights the engine loaded). Seconds."""
+        version = fingerprint(module.policy)
+        if self._engine_version == version:
+            return 0.0
+        start = time.perf_counter()
+        engine.sync_weights()
+        self._engine_version = version
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ processes
+
+    def _world(self) -> tuple[int, int]:
+        """(rank, world size); (0, 1) without a Trainer or without an initialised process group."""
+        trainer = self.trainer
+        if trainer is None or not dist.is_available() or not dist.is_initialized():
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        world = self._world()[1]
+        if world == 1:
+            return [obj]
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _budget(self) -> Budget:
+        """This process's budget: all leaves (Stage 1 is global and sums to them), and its share of a
+        token cap, since the processes generate at the same time without seeing each other's tokens."""
+        world = self._world()[1]
+        if world == 1 or self.budget.max_tokens is None:
+            return self.budget
+        return Budget(self.budget.leaves, self.budget.max_tokens // world)
+
+    def _shard(self, pool: list[RolloutTree], score: Any) -> Shard | None:
+        rank, world = self._world()
+        if world == 1:
+            return None
+        mine = list(range(rank, len(pool), world))  # round-robin: shares differ by at most one prompt
+        local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
+        scores = np.full(len(pool), np.nan)
+        for r, values in enumerate(self._all_gather([float(v[0]) for v in local])):
+            scores[r::world] = values
+        # One shared draw keeps the allocation RNG identical on every process; the rest is per process.
+        seed = int(self.rng.integers(2**63))
+        return Shard(scores, frozenset(mine), np.random.default_rng([seed, rank]))
+
+    def _gathered(self, local: Iteration, counters: RolloutCounters) -> tuple[Iteration, RolloutCounters]:
+        """The iteration as a whole: every process's trees, spending and counters."""
+        if self._world()[1] == 1:
+            return local, counters
+        parts = self._all_gather((local.trees, local.ledger, counters))
+        ledger = BudgetLedger(self.budget)
+        total = RolloutCounters()
+        for _, part_ledger, part_counters in parts:
+            for stage in ledger.leaves:
+                ledger.leaves[stage] += part_ledger.leaves[stage]
+                ledger.tokens[stage] += part_ledger.tokens[stage]
+            for depth, n in part_ledger.tokens_by_depth.items():
+                ledger.tokens_by_depth[depth] = ledger.tokens_by_depth.get(depth, 0) + n
+            total.merge(part_counters)
+        trees = [t for part_trees, _, _ in parts for t in part_trees]
+        return Iteration(trees, ledger, local.pool_predicted, local.root_counts), total
+
+    # ------------------------------------------------------------------ batches
 
     def _prior_scores(
         self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
     ) -> list[np.ndarray]:
         return [np.repeat(self.prior.mean([t.task_id]), len(n)) for t, n in zip(trees, node_ids, strict=True)]
 
-    def _batches(self, trees: list[RolloutTree], module: Any) -> list[RolloutBatch]:
+    def _batches(
+        self, trees: list[RolloutTree], module: Any, pool: list[RolloutTree]
+    ) -> tuple[list[RolloutBatch], np.ndarray]:
+        """Micro-batches with old log-probs, and |engine - trainer| log-prob gaps on the trained tokens.
+
+        Every process must run the same number of micro-batches (DDP synchronises each backward), so a
+        process with fewer leaves pads with batches that train nothing (all-zero loss mask)."""
         seqs = leaf_sequences(trees, node_advantages(trees, self.estimator))  # type: ignore[arg-type]
+        n_batches = -(-len(seqs) // self.micro_batch_size)
+        n_batches = max(self._all_gather(n_batches))
         pad = module.tokenizer.pad_token_id
-        batches = [
-            collate(seqs[i : i + self.micro_batch_size], pad)
-            for i in range(0, len(seqs), self.micro_batch_size)
-        ]
-        for batch in batches:
+        batches, gaps = [], []
+        for i in range(n_batches):
+            chunk = seqs[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
+            batch = collate(chunk, pad) if chunk else _idle_batch(pool[0].prompt_ids, pad)
             module.fill_old_logprobs(batch)
-        return batches
+            for row, seq in enumerate(chunk):
+                engine = torch.tensor(seq.engine_logprobs)  # [T]
+                known = torch.isfinite(engine)
+                gaps.append((batch.old_logprobs[row, : len(engine)][known] - engine[known]).abs().numpy())
+            batches.append(batch)
+        return batches, np.concatenate(gaps) if gaps else np.zeros(0)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next iteration depends on besides the weights: the allocation RNG, the torch
@@ -181,6 +305,30 @@ class RolloutDataModule(L.LightningDataModule):
         self.rng.bit_generator.state = state["rng"]
         self._sampling_rng = state["torch_rng"]
         self.prior.load_state_dict(state["prior"])
+
+
+def _idle_batch(prompt_ids: list[int], pad_id: int) -> RolloutBatch:
+    """A micro-batch that trains nothing: one prompt, no trained token, no predictor target."""
+    return collate(
+        [
+            LeafSequence(
+                0,
+                0,
+                list(prompt_ids),
+                [0] * len(prompt_ids),
+                [0.0] * len(prompt_ids),
+                [],
+                [],
+                [],
+                [math.nan] * len(prompt_ids),
+            )
+        ],
+        pad_id,
+    )
+
+
+def _mean_max(gaps: np.ndarray) -> tuple[float, float]:
+    return (float(gaps.mean()), float(gaps.max())) if gaps.size else (math.nan, math.nan)
 
 
 def fingerprint(module: torch.nn.Module) -> float:

@@ -42,6 +42,17 @@ class Scorer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of a multi-process iteration. Every process allocates the whole pool with
+    the same gathered predictions and the same allocation RNG, so Stage 1 is identical everywhere; each
+    then rolls out only the prompts it owns, and Stage 2 (local to a prompt) draws from its own `rng`."""
+
+    root_scores: np.ndarray  # [P] predictions over the whole pool, gathered from every process
+    owned: frozenset[int]  # pool indices this process rolls out
+    rng: np.random.Generator  # this process's stream for everything after Stage 1
+
+
 @dataclass
 class Iteration:
     """What one iteration built: the trees of the prompts that got rollouts, and what it spent."""
@@ -59,19 +70,28 @@ def build_trees(
     score: Scorer,
     run: EpisodeRunner,
     rng: np.random.Generator,
+    shard: Shard | None = None,
 ) -> Iteration:
-    """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`."""
+    """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`.
+
+    With a `shard`, the root counts cover the whole pool (and sum to the global budget) but only the
+    owned prompts are rolled out; the returned trees and ledger are this process's part.
+    """
     ledger = BudgetLedger(budget)
-    predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
+    if shard is not None:
+        predicted = _checked([shard.root_scores], "roots")[0]
+    else:
+        predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
     counts = allocator.allocate_roots(predicted, budget, rng)
-    trees = [tree for tree, m in zip(pool, counts, strict=True) if m > 0]
     for tree, v in zip(pool, predicted, strict=True):
         tree.root.predicted = float(v)
-    active_counts = counts[counts > 0]
+    mine = [i for i, m in enumerate(counts) if m > 0 and (shard is None or i in shard.owned)]
+    trees, active_counts = [pool[i] for i in mine], counts[mine]
+    local_rng = rng if shard is None else shard.rng
     ledger.reserve_leaves(int(active_counts.sum()), "bare")
-    run([Branch(t, 0, int(m), "bare") for t, m in zip(trees, active_counts, strict=True)], ledger, rng)
+    run([Branch(t, 0, int(m), "bare") for t, m in zip(trees, active_counts, strict=True)], ledger, local_rng)
     if allocator.expansion > 0:
-        _expand(trees, active_counts, allocator, score, run, ledger, rng)
+        _expand(trees, active_counts, allocator, score, run, ledger, local_rng)
     return Iteration(trees, ledger, predicted, counts)
 
 

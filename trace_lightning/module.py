@@ -44,8 +44,11 @@ class TraceModule(L.LightningModule):
         kl_kind: KLKind = "k3",
         score_batch_size: int = 16,
         predictor_backbone: str | None = None,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"sampling.temperature={temperature} must be > 0")
         if predictor_weighting not in ("leaves", "uniform"):
             raise ValueError(f"module.predictor_weighting={predictor_weighting!r}: use 'leaves' or 'uniform'")
         if kl_coef < 0:
@@ -102,9 +105,15 @@ class TraceModule(L.LightningModule):
     def _forward(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs aligned with input_ids [B, T] (0 at t = 0) and last hidden states [B, T, H]."""
+        """Per-token log-probs aligned with input_ids [B, T] (0 at t = 0) and last hidden states [B, T, H].
+
+        Log-probs are taken at the sampling temperature: the tokens were drawn from softmax(logits / T),
+        so that is the behaviour policy the importance ratio must compare against (and what the engine
+        reports, which makes engine/trainer agreement a like-for-like check).
+        """
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+        logits = out.logits[:, :-1].float() / self.hparams["temperature"]
+        logp = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
         tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         return torch.nn.functional.pad(tok, (1, 0)), out.hidden_states[-1]
 

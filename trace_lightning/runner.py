@@ -50,6 +50,21 @@ class RolloutCounters:
     invalid_transitions: list[str] = field(default_factory=list)  # why each rejected transition was garbage
     truncated_observations: int = 0  # observations cut to `max_observation_chars`
 
+    def merge(self, other: RolloutCounters) -> None:
+        """Add another process's counts (multi-process iterations report the whole iteration)."""
+        self.stop_reasons.update(other.stop_reasons)
+        self.env_errors += other.env_errors
+        self.invalid_transitions += other.invalid_transitions
+        for name in (
+            "turns",
+            "format_errors",
+            "tool_calls",
+            "tool_errors",
+            "env_timeouts",
+            "truncated_observations",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 T = TypeVar("T")
 _BOOL = (bool, np.bool_)  # numpy comparisons give np.bool_, which is as good a flag as bool
@@ -212,23 +227,24 @@ class ReActRunner:
         for ep, completion in zip(live, completions, strict=True):
             # One batched call serves episodes with different room left: each keeps only what fits its
             # own max_episode_tokens (the rest is cut, as a length cap would have), and pays for that.
-            action_ids = completion.token_ids[: max(self.max_episode_tokens - ep.tokens, 1)]
+            keep = max(self.max_episode_tokens - ep.tokens, 1)
+            action_ids = completion.token_ids[:keep]
             ledger.charge_tokens(len(action_ids), ep.stage, ep.turns + 1)
-            if self._advance(ep, action_ids):
+            if self._advance(ep, action_ids, completion.logprobs[:keep]):
                 going.append(ep)
         return going
 
-    def _advance(self, ep: _Episode, action_ids: list[int]) -> bool:
+    def _advance(self, ep: _Episode, action_ids: list[int], logprobs: list[float]) -> bool:
         """Apply one turn to the environment and the tree. True when the episode continues."""
         self.counters.turns += 1
         text = self.tokenizer.decode(action_ids, skip_special_tokens=True)
         tr = self._step(ep.task, ep.tree.env_states[ep.node_id], text)
         if isinstance(tr, str):  # a faulty environment fails the episode, never the iteration
-            self._close(ep, ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), []), tr)
+            self._close(ep, ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), [], logprobs), tr)
             return False
         self._count(tr, empty=not action_ids)
         obs_ids = [] if tr.done else self._observation_ids(self._bounded(tr.observation), action_ids)
-        node = ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), obs_ids)
+        node = ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), obs_ids, logprobs)
         ep.tree.env_states[node] = tr.state
         ep.node_id, ep.turns, ep.tokens = node, ep.turns + 1, ep.tokens + len(action_ids) + len(obs_ids)
         if tr.done:

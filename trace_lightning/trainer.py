@@ -45,6 +45,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor_coef=p.coef,
         predictor_weighting=p.weighting,
         predictor_backbone=p.backbone,
+        temperature=cfg.sampling.temperature,
         **OmegaConf.to_container(loss),  # type: ignore[arg-type]
     )
     data = RolloutDataModule(

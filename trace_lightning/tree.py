@@ -26,8 +26,10 @@ class Node:
     """One ReAct turn (or the prompt, for node 0).
 
     `action_ids` are the tokens the policy generated in this turn (trainable); `obs_ids` are the
-    tokens the environment appended after it (masked everywhere). `reward` is set on terminal
-    leaves only; `predicted` is the predictor's estimate of V(H_node) when it scored this prefix.
+    tokens the environment appended after it (masked everywhere). `reward` is set on terminal leaves
+    only; `predicted` is the predictor's estimate of V(H_node) when it scored this prefix.
+    `action_logprobs` are the engine's log-probabilities of the action tokens (empty when unknown),
+    kept to check that engine and trainer agree.
     """
 
     id: int
@@ -40,6 +42,7 @@ class Node:
     reward: float | None = None
     predicted: float | None = None
     stop_reason: str | None = None
+    action_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -61,13 +64,23 @@ class RolloutTree:
     def root(self) -> Node:
         return self.nodes[0]
 
-    def add_turn(self, parent: int, stage: Stage, action_ids: list[int], obs_ids: list[int]) -> int:
+    def add_turn(
+        self,
+        parent: int,
+        stage: Stage,
+        action_ids: list[int],
+        obs_ids: list[int],
+        action_logprobs: list[float] | None = None,
+    ) -> int:
         """Append a turn under `parent` and return its id."""
         if not 0 <= parent < len(self.nodes):
             raise IndexError(f"parent {parent} is not a node of tree {self.task_id}")
         if self.nodes[parent].reward is not None:
             raise ValueError(f"node {parent} is a terminal leaf; a terminal turn cannot be extended")
+        if action_logprobs and len(action_logprobs) != len(action_ids):
+            raise ValueError(f"{len(action_logprobs)} log-probs for {len(action_ids)} action tokens")
         node = Node(len(self.nodes), parent, self.nodes[parent].depth + 1, stage, action_ids, obs_ids)
+        node.action_logprobs = list(action_logprobs or [])
         self.nodes.append(node)
         self.nodes[parent].children.append(node.id)
         return node.id

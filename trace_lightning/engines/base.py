@@ -1,4 +1,4 @@
-"""The `GenerationEngine` protocol every engine implements (transformers now, vLLM later).
+"""The `GenerationEngine` protocol every engine implements (`hf.HFEngine`, `vllm.VLLMEngine`).
 
 Tokens in, tokens out: prompts are token id lists (the full prefix H_t of a branch), completions
 are the generated token ids with their log-probabilities. Nothing here decodes and re-encodes what
@@ -63,5 +63,9 @@ class GenerationEngine(Protocol):
         ...
 
     def sync_weights(self) -> None:
-        """Make the engine sample from the policy's current weights (after an optimizer step)."""
+        """Make the engine sample from the policy's current weights. The DataModule calls it before a
+        generation phase whenever the policy changed since the last sync."""
         ...
+
+    # Optional: `sleep()` frees accelerator memory for training after a generation phase; the next
+    # `sync_weights` or `generate` wakes the engine. Engines that hold no such memory may omit it.

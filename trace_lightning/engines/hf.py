@@ -85,6 +85,9 @@ class HFEngine:
         """Nothing to do: the engine samples from the module the optimizer updates, so it always sees the
         current weights. Kept for the protocol (vLLM needs a real copy)."""
 
+    def sleep(self) -> None:
+        """Nothing to free: the weights are the trainer's own."""
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("HFEngine.generate: every prompt needs at least one token")
