@@ -202,7 +202,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     labels = [label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     left = np.zeros(len(rows))
-    for phase in (*PHASES, "other"):
+    # allocation and predictor first, so their sum reads directly against the dotted 5% line
+    order = ("allocation", "predictor", *(p for p in PHASES if p not in ("allocation", "predictor")), "other")
+    for phase in order:
         share = np.array([100 * r["shares"][phase] for r in rows])
         ax.barh(labels, share, left=left, label=phase)
         left += share
