@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from trace_lightning import allocation as alloc
 from trace_lightning.envs.synthetic import ChainSimulator, make_tasks, oracle_scores, state_of, true_value
-from trace_lightning.iteration import build_trees, prefix_candidates
+from trace_lightning.iteration import Shard, balance, build_trees, prefix_candidates
 from trace_lightning.tree import RolloutTree, backup, tree_stats
 
 TASKS = {t.task_id: t for t in make_tasks(300, turns=4, seed=1)}
@@ -107,3 +107,35 @@ def test_prompt_without_turn_prefixes_branches_from_the_prompt():
     (tree,) = it.trees
     assert it.ledger.leaves == {"bare": 2, "expand": 4}
     assert sum(n.stage == "expand" for n in tree.nodes if n.parent == 0) == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(counts=st.lists(st.integers(0, 8), min_size=1, max_size=20), world=st.integers(1, 4))
+def test_balance_gives_every_active_prompt_one_owner_and_evens_the_load(counts, world):
+    counts = np.array(counts)
+    owner = balance(counts, world)
+    assert ((owner >= 0) == (counts > 0)).all() and owner.max(initial=-1) < world
+    load = np.bincount(owner[owner >= 0], weights=counts[owner >= 0], minlength=world)
+    assert load.max() - load.min() <= counts.max()  # greedy: within one group of each other
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shards_split_one_global_allocation(world):
+    """Every process allocates the same pool with the same scores; together they roll out exactly the
+    single allocation, each prompt by one process, and the leaf budget holds over all of them."""
+    allocator, budget, pool_ids = alloc.trace(2), alloc.Budget(48), list(range(40))
+    scores = np.concatenate(oracle([RolloutTree(i) for i in pool_ids], [[0]] * len(pool_ids)))
+    parts = []
+    for rank in range(world):
+        shard = Shard(scores, rank, world, np.random.default_rng([5, rank]))
+        trees = [RolloutTree(i) for i in pool_ids]
+        parts.append(
+            build_trees(
+                trees, allocator, budget, oracle, ChainSimulator(TASKS), np.random.default_rng(0), shard
+            )
+        )
+    counts = parts[0].root_counts
+    assert all((p.root_counts == counts).all() for p in parts)
+    owned = [t.task_id for p in parts for t in p.trees]
+    assert sorted(owned) == sorted(np.array(pool_ids)[counts > 0].tolist())  # each active prompt once
+    assert sum(p.ledger.leaves_used for p in parts) == 48

@@ -102,6 +102,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.report: IterationReport | None = None
         self._runner: ReActRunner | None = None
         self._engine_version: float | None = None  # policy fingerprint the engine last synced to
+        self.local_trees: list[RolloutTree] = []
 
     def _runner_for(self, module: Any) -> ReActRunner:
         if self._runner is None:
@@ -168,6 +169,7 @@ class RolloutDataModule(L.LightningDataModule):
         if hasattr(runner.engine, "sleep"):  # optional: frees accelerator memory for training
             runner.engine.sleep()
         sample_seconds = time.perf_counter() - start
+        self.local_trees = local.trees  # this process's part (all of it, in a single process)
         result, counters = self._gathered(local, runner.counters)
         rank_zero_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
@@ -234,14 +236,14 @@ class RolloutDataModule(L.LightningDataModule):
         rank, world = self._world()
         if world == 1:
             return None
-        mine = list(range(rank, len(pool), world))  # round-robin: shares differ by at most one prompt
+        mine = list(range(rank, len(pool), world))  # scoring: round-robin, shares differ by at most one
         local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
         scores = np.full(len(pool), np.nan)
         for r, values in enumerate(self._all_gather([float(v[0]) for v in local])):
             scores[r::world] = values
         # One shared draw keeps the allocation RNG identical on every process; the rest is per process.
         seed = int(self.rng.integers(2**63))
-        return Shard(scores, frozenset(mine), np.random.default_rng([seed, rank]))
+        return Shard(scores, rank, world, np.random.default_rng([seed, rank]))
 
     def _gathered(self, local: Iteration, counters: RolloutCounters) -> tuple[Iteration, RolloutCounters]:
         """The iteration as a whole: every process's trees, spending and counters."""

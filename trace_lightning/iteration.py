@@ -45,12 +45,28 @@ class Scorer(Protocol):
 @dataclass(frozen=True)
 class Shard:
     """This process's part of a multi-process iteration. Every process allocates the whole pool with
-    the same gathered predictions and the same allocation RNG, so Stage 1 is identical everywhere; each
-    then rolls out only the prompts it owns, and Stage 2 (local to a prompt) draws from its own `rng`."""
+    the same gathered predictions and the same allocation RNG, so Stage 1 is identical everywhere; the
+    prompts that got rollouts are then split between the processes by `balance`, each rolls out its
+    own, and Stage 2 (local to a prompt) draws from the process's own `rng`."""
 
     root_scores: np.ndarray  # [P] predictions over the whole pool, gathered from every process
-    owned: frozenset[int]  # pool indices this process rolls out
+    rank: int
+    world: int
     rng: np.random.Generator  # this process's stream for everything after Stage 1
+
+
+def balance(counts: np.ndarray, world: int) -> np.ndarray:
+    """Owner process of each pool entry [P] (-1: no rollouts): largest groups first, each to the
+    process with the fewest leaves so far (ties to the lower rank), so that processes finish together.
+
+    Example: counts [2, 0, 6, 2, 2], world 2 -> owners [1, -1, 0, 1, 1] (rank 0: 6 leaves, rank 1: 6).
+    """
+    owner = np.full(len(counts), -1)
+    load = np.zeros(world, dtype=np.int64)
+    for i in sorted(np.flatnonzero(counts > 0), key=lambda i: (-int(counts[i]), int(i))):
+        rank = int(np.argmin(load))
+        owner[i], load[rank] = rank, load[rank] + int(counts[i])
+    return owner
 
 
 @dataclass
@@ -85,7 +101,8 @@ def build_trees(
     counts = allocator.allocate_roots(predicted, budget, rng)
     for tree, v in zip(pool, predicted, strict=True):
         tree.root.predicted = float(v)
-    mine = [i for i, m in enumerate(counts) if m > 0 and (shard is None or i in shard.owned)]
+    owner = np.zeros(len(pool), dtype=np.int64) if shard is None else balance(counts, shard.world)
+    mine = [i for i, m in enumerate(counts) if m > 0 and owner[i] == (0 if shard is None else shard.rank)]
     trees, active_counts = [pool[i] for i in mine], counts[mine]
     local_rng = rng if shard is None else shard.rng
     ledger.reserve_leaves(int(active_counts.sum()), "bare")

@@ -195,6 +195,8 @@ class TraceModule(L.LightningModule):
             pred_loss = predictor_mse(pred, batch.pred_targets, weights)
             loss = loss + hp["predictor_coef"] * pred_loss
             metrics["train/predictor_mse"] = pred_loss.detach()
+        else:  # DDP reduces every parameter's gradient each step: the head's must exist, at zero
+            loss = loss + 0.0 * sum(p.sum() for p in self.head.parameters())
         metrics["train/loss"] = loss.detach()
         # A NaN or inf loss would reach AdamW's moment estimates and spoil every later step, so the
         # batch is dropped instead. Returning None makes Lightning skip this backward; with
