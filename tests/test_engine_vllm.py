@@ -6,6 +6,10 @@ attention does not take the default tiny model's head_dim 16).
 """
 
 import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -153,3 +157,25 @@ def test_trace_iterations_through_lightning_with_vllm(model_dir):
     assert syncs[1] > 0  # the trained policy was pushed before the second iteration
     report = data.report
     assert sum(len(t.leaves()) for t in report.result.trees) == report.result.ledger.leaves_used == 12
+
+
+def test_engine_throughput_benchmark_quick_mode(tmp_path):
+    out = tmp_path / "engine_throughput.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/engine_throughput.py", "--quick", "--out", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vLLM / transformers tokens per second" in proc.stdout
+    result = json.loads(out.read_text())
+    speed = result["throughput"]
+    assert speed["hf"]["generated_tokens"] > 0 and speed["vllm"]["generated_tokens"] > 0
+    assert result["vllm_over_hf"] == pytest.approx(
+        speed["vllm"]["tokens_per_second"] / speed["hf"]["tokens_per_second"]
+    )
+    assert 0 < result["sync"]["sync_share"] < 1
+    assert max(result["sync"]["logprob_mismatch"]) < TIGHT  # the engine stayed in sync while training

@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method, instantiate
@@ -57,6 +59,9 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
         return
     if group == "callbacks":
         assert all(instantiate(c) is not None for c in node.values())
+        return
+    if group == "trainer" and node.accelerator == "gpu" and not torch.cuda.is_available():
+        assert get_method(node._target_) is L.Trainer and node.use_distributed_sampler is False
         return
     if group == "trainer":
         assert instantiate(node, logger=False, callbacks=[]).max_epochs >= 1

@@ -66,7 +66,7 @@ class VLLMEngine:
         model_path: str | None = None,
         lora_sync: str = "adapter",
         dtype: str = "auto",
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
         sleep_mode: bool | None = None,
         seed: int = 0,
@@ -172,11 +172,9 @@ class VLLMEngine:
 
     def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them."""
-        if not self.is_lora:
-            for name, tensor in self.policy.state_dict().items():
-                yield name, tensor.detach()
-            return
-        yield from _merged_lora_weights(self.policy)
+        weights = self.policy.state_dict().items() if not self.is_lora else _merged_lora_weights(self.policy)
+        for name, tensor in weights:
+            yield _checkpoint_name(name), tensor.detach()
 
     def _push_adapter(self) -> None:
         from vllm.lora.request import LoRARequest
@@ -238,7 +236,12 @@ def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         plain = name.replace(".base_layer.", ".")
         merged = tensor + deltas[plain] if plain in deltas else tensor
-        yield plain, merged.detach()
+        yield plain, merged
+
+
+def _checkpoint_name(name: str) -> str:
+    """The name in the model's own checkpoint: FSDP and activation checkpointing insert wrapper levels."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def _model_path(model: Any) -> str:
