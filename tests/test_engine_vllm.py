@@ -174,8 +174,11 @@ def test_engine_throughput_benchmark_quick_mode(tmp_path):
     result = json.loads(out.read_text())
     speed = result["throughput"]
     assert speed["hf"]["generated_tokens"] > 0 and speed["vllm"]["generated_tokens"] > 0
+    best = result["best_vllm"]
+    assert best in ("vllm", "vllm_merged") and set(result["over_hf"]) == {"hf", "vllm", "vllm_merged"}
     assert result["vllm_over_hf"] == pytest.approx(
-        speed["vllm"]["tokens_per_second"] / speed["hf"]["tokens_per_second"]
+        speed[best]["tokens_per_second"] / speed["hf"]["tokens_per_second"]
     )
+    assert result["vllm_over_hf"] == max(result["over_hf"][n] for n in ("vllm", "vllm_merged"))
     assert 0 < result["sync"]["sync_share"] < 1
     assert max(result["sync"]["logprob_mismatch"]) < TIGHT  # the engine stayed in sync while training
