@@ -1,0 +1,46 @@
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SAME_BUDGET = ["uniform", "pcl", "random_expand", "trace", "trace_root_only", "trace_prefix_only"]
+
+
+def test_learning_benchmark_quick_mode(tmp_path):
+    out, png = tmp_path / "learning.json", tmp_path / "learning.png"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/learning.py", "--quick", "--out", str(out), "--plot", str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
+        assert title in proc.stdout
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
+    assert len(verdicts) == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(out.read_text())
+    config = result["config"]
+    assert result["verdicts"] == verdicts
+    for seed in result["seeds"]:
+        runs = {r["method"]: r for r in seed["runs"]}
+        assert set(SAME_BUDGET) <= set(runs) and len(runs) == len(SAME_BUDGET) + 2
+        # every method of a seed starts from the same warm start and is evaluated the same way
+        assert len({r["evals"][0]["success"] for r in runs.values()}) == 1
+        for name, run in runs.items():
+            if name in SAME_BUDGET:
+                assert run["leaves_per_iteration"] == config["leaves"]
+            assert len(run["iterations"]) == config["iterations"]
+            for row in run["iterations"]:  # the budget is spent exactly, every iteration
+                assert row["leaves"] == run["leaves_per_iteration"]
+                assert 0.0 <= row["effective_ratio"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0
+            for e in run["evals"]:
+                assert e["leaves"] == e["iteration"] * run["leaves_per_iteration"]
+                assert 0.0 <= e["success"] <= 1.0
+    for name in SAME_BUDGET:  # same total budget as GRPO: reached within it, or never (inf)
+        ratio = result["summary"][name]["leaves_x_grpo"]["per_seed"]
+        assert all(0.0 <= x <= 1.0 or math.isinf(x) for x in ratio)
