@@ -146,9 +146,20 @@ class TimedAllocator(_Proxy):
             return self.inner.allocate_prefixes(*args, **kwargs)
 
 
-# Engines the benchmarks can run. A vLLM engine only needs an entry here: its `sync_weights` (the real
-# weight copy) is called after every iteration's optimizer steps and lands in the `sync` phase.
-ENGINES: dict[str, Callable[..., Any]] = {"hf": HFEngine}
+def _hf(model: Any, tokenizer: Any, max_batch_size: int) -> Any:
+    return HFEngine(model, tokenizer, max_batch_size=max_batch_size)
+
+
+def _vllm(model: Any, tokenizer: Any, max_batch_size: int) -> Any:
+    """Needs vLLM (`make install-vllm`, its own venv); vLLM batches by itself, so no batch size."""
+    from trace_lightning.engines.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, enforce_eager=True)
+
+
+# Engines the benchmarks can run. An engine's `sync_weights` (the real weight copy for vLLM, a no-op for
+# HFEngine) goes through `TimedEngine`, whoever calls it, and lands in the `sync` phase.
+ENGINES: dict[str, Callable[..., Any]] = {"hf": _hf, "vllm": _vllm}
 
 
 class TimedEngineFactory:
@@ -161,7 +172,7 @@ class TimedEngineFactory:
         self.engine: TimedEngine | None = None
 
     def __call__(self, model: Any, tokenizer: Any) -> TimedEngine:
-        self.engine = TimedEngine(self.cls(model, tokenizer, max_batch_size=self.max_batch_size), self.clock)
+        self.engine = TimedEngine(self.cls(model, tokenizer, self.max_batch_size), self.clock)
         return self.engine
 
 

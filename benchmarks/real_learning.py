@@ -122,6 +122,12 @@ def trainable_state(module: TraceModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items() if k in names}
 
 
+def update_norm(module: TraceModule, start: dict[str, torch.Tensor]) -> float:
+    """L2 distance of the policy's trainable (LoRA) weights from where the method started."""
+    now = trainable_state(module)
+    return float(sum(((now[k] - start[k]) ** 2).sum() for k in now if not k.startswith("head.")) ** 0.5)
+
+
 def warm_up(module: TraceModule, env: Any, args: argparse.Namespace) -> float | None:
     """Uniform iterations without policy updates; fit the head on their targets. Returns its MSE."""
     if args.warmup == 0:
@@ -174,6 +180,9 @@ def summary(result: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     diff = np.array(after["per_task"]) - np.array(before["per_task"])
     return {
         "effective_ratio": float(np.mean([r["effective_ratio"] for r in rows])),
+        "mixed_per_100_leaves": float(
+            np.mean([r["root_mixed_per_100"] + r["prefix_mixed_per_100"] for r in rows])
+        ),
         "train_success": float(np.mean([r["success_rate"] for r in rows])),
         "leaves_per_iteration": [r["leaves"] for r in rows],
         "generated_tokens": float(np.sum([r["generated_tokens"] for r in rows])),
@@ -182,22 +191,29 @@ def summary(result: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "held_out_after": after["success"],
         "held_out_delta": float(diff.mean()),
         "held_out_delta_stderr": float(diff.std(ddof=1) / np.sqrt(len(diff))),
+        "policy_update_norm": result["policy_update_norm"],
     }
 
 
+COLUMNS = (  # (header, width, format, summary key)
+    ("eff.ratio", 9, ".3f", "effective_ratio"),
+    ("mixed/100", 9, ".1f", "mixed_per_100_leaves"),
+    ("train succ", 10, ".3f", "train_success"),
+    ("tokens", 7, ".0f", "generated_tokens"),
+    ("s/iter", 7, ".1f", "seconds_per_iteration"),
+    ("held-out before", 15, ".3f", "held_out_before"),
+    ("after", 6, ".3f", "held_out_after"),
+)
+
+
 def print_table(summaries: dict[str, dict[str, Any]]) -> None:
-    print(
-        f"\n{'method':8s} {'eff.ratio':>9s} {'train succ':>10s} {'leaves/it':>9s} {'tokens':>7s} "
-        f"{'s/iter':>7s} {'held-out before':>15s} {'after':>6s} {'delta (+-se)':>15s}"
-    )
+    head = " ".join(f"{h:>{w}s}" for h, w, _, _ in COLUMNS)
+    print(f"\n{'method':8s} {'leaves/it':>9s} {head} {'delta (+-se)':>15s} {'|dW|':>7s}")
     for name, s in summaries.items():
         leaves = "/".join(str(n) for n in sorted(set(s["leaves_per_iteration"])))
+        cells = " ".join(f"{s[key]:{w}{fmt}}" for _, w, fmt, key in COLUMNS)
         delta = f"{s['held_out_delta']:+.3f} +-{s['held_out_delta_stderr']:.3f}"
-        print(
-            f"{name:8s} {s['effective_ratio']:9.3f} {s['train_success']:10.3f} {leaves:>9s} "
-            f"{s['generated_tokens']:7.0f} {s['seconds_per_iteration']:7.1f} {s['held_out_before']:15.3f} "
-            f"{s['held_out_after']:6.3f} {delta:>15s}"
-        )
+        print(f"{name:8s} {leaves:>9s} {cells} {delta:>15s} {s['policy_update_norm']:7.3f}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -219,7 +235,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--head-steps", type=int, default=200, help="head fitting steps after the warm-up")
     p.add_argument("--gen-batch", type=int, default=24)
-    p.add_argument("--engine", default="hf", help="generation engine (benchmarks/common.py ENGINES)")
+    p.add_argument("--engine", default="hf", help="engine of the training iterations (eval: HFEngine)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/real_learning.json"))
@@ -248,6 +264,7 @@ def main() -> None:
         allocator = {"trace": alloc.trace(2, max_per_prompt=4), "uniform": alloc.uniform(4)}[name]
         module.load_state_dict(copy.deepcopy(start_state), strict=False)
         results[name] = run_method(module, allocator, train_env, args)
+        results[name]["policy_update_norm"] = update_norm(module, start_state)
         results[name]["held_out_after"] = held_out_success(module, held_env, args)
         summaries[name] = summary(results[name], before)
     print_table(summaries)

@@ -61,6 +61,7 @@ def check_learning(result: dict, expected_leaves: int) -> None:
         assert s["leaves_per_iteration"] == [expected_leaves] * config["iterations"]
         assert 0.0 <= s["effective_ratio"] <= 1.0
         assert 0.0 <= s["held_out_after"] <= 1.0
+        assert s["mixed_per_100_leaves"] >= 0 and math.isfinite(s["policy_update_norm"])
         assert s["held_out_before"] == result["held_out_before"]["success"]
         assert result["results"][name]["phase_overlaps"] == 0
         for row in result["results"][name]["iterations"]:
