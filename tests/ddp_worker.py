@@ -30,6 +30,7 @@ class Record(L.Callback):
                 "local_trees": sorted(t.task_id for t in trainer.datamodule.local_trees),
                 "local_leaves": sum(len(t.leaves()) for t in trainer.datamodule.local_trees),
                 "batches": len(trainer.train_dataloader),
+                "logprob_mismatch": report.logprob_mismatch,
             }
         )
 

@@ -1,6 +1,14 @@
 """Shared test helpers (plain functions; fixtures live in conftest.py)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
+
+DDP_WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
 def quiet_trainer(**overrides) -> L.Trainer:
@@ -15,3 +23,17 @@ def quiet_trainer(**overrides) -> L.Trainer:
         "enable_model_summary": False,
     }
     return L.Trainer(**{**kwargs, **overrides})
+
+
+def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
+    """`tests/ddp_worker.py` on 2 CPU processes with this interpreter; what each rank recorded."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(DDP_WORKER), str(out), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -2,31 +2,14 @@
 identically by both processes, each prompt rolled out by exactly one of them, the leaf budget holding
 over the two together, and the same number of optimizer steps on each (DDP syncs every backward)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-WORKER = Path(__file__).with_name("ddp_worker.py")
+from helpers import run_ddp_worker
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     overrides = ["budget.leaves=12", "data.pool_size=8", "trainer.max_epochs=3"]
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(out), *overrides],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ddp_worker(tmp_path_factory.mktemp("ddp"), *overrides)
 
 
 def test_both_processes_make_the_same_global_allocation(ranks):

@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import quiet_trainer, run_ddp_worker
 from peft import LoraConfig, get_peft_model
 from test_training import make_data
 
@@ -184,3 +184,15 @@ def test_engine_throughput_benchmark_quick_mode(tmp_path):
     assert result["vllm_over_hf"] == max(result["over_hf"][n] for n in ("vllm", "vllm_merged"))
     assert 0 < result["sync"]["sync_share"] < 1
     assert max(result["sync"]["logprob_mismatch"]) < TIGHT  # the engine stayed in sync while training
+
+
+def test_two_process_ddp_with_one_vllm_engine_per_process(tmp_path):
+    """Each DDP process keeps its own colocated engine (vLLM joins the process group as a data-parallel
+    rank), both make the same allocation, and each engine stays in sync with the trained policy."""
+    overrides = ["engine=vllm", "budget.leaves=12", "data.pool_size=8", "trainer.max_epochs=2"]
+    zero, one = run_ddp_worker(tmp_path, *overrides)
+    for a, b in zip(zero, one, strict=True):
+        assert a["root_counts"] == b["root_counts"] and a["leaves_used"] == 12
+        assert a["local_leaves"] + b["local_leaves"] == 12
+        for row in (a, b):  # NaN when a process rolled out nothing this iteration
+            assert not row["local_leaves"] or row["logprob_mismatch"] < TIGHT

