@@ -441,8 +441,8 @@ def plot(seed_results: list[dict[str, Any]], args: argparse.Namespace, path: Pat
             runs = by_method[name]
             x = np.mean([[e[unit] for e in r["evals"]] for r in runs], axis=0)
             y = np.array([smoothed(r["evals"]) for r in runs])  # [S, E]
-            ax.plot(x, y.mean(0), label=name, lw=2.2 if name.startswith("trace") and name == "trace" else 1.4)
-            ax.fill_between(x, y.min(0), y.max(0), alpha=0.12)
+            (line,) = ax.plot(x, y.mean(0), label=name, lw=2.2 if name == "trace" else 1.4)
+            ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.1)
         ax.set_xlabel(f"cumulative {'generated tokens' if unit == 'tokens' else 'leaves (trajectories)'}")
         ax.set_ylabel("evaluation success (2-point mean)")
         ax.legend(fontsize=8)
@@ -512,7 +512,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
     p.add_argument("--plot", type=Path, default=Path("benchmarks/results/learning.png"))
+    p.add_argument("--from-json", type=Path, help="reprint the tables and redraw the plot of a finished run")
     args = p.parse_args(argv)
+    if args.from_json is not None:  # the run's own configuration, so the tables describe what ran
+        config = json.loads(args.from_json.read_text())["config"]
+        return argparse.Namespace(
+            **(config | {"out": args.from_json, "plot": args.plot, "from_json": args.from_json})
+        )
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -521,6 +527,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        print_tables(summarize(result["seeds"]), args)
+        plot(result["seeds"], args, args.plot)
+        return
     torch.set_num_threads(1)
     start = time.perf_counter()
     if args.workers > 1 and len(args.seeds) > 1:

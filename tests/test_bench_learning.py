@@ -44,3 +44,15 @@ def test_learning_benchmark_quick_mode(tmp_path):
     for name in SAME_BUDGET:  # same total budget as GRPO: reached within it, or never (inf)
         ratio = result["summary"][name]["leaves_x_grpo"]["per_seed"]
         assert all(0.0 <= x <= 1.0 or math.isinf(x) for x in ratio)
+    # a finished run's tables can be reprinted (and its plot redrawn) from its JSON alone
+    replot = tmp_path / "again.png"
+    again = subprocess.run(
+        [sys.executable, "benchmarks/learning.py", "--from-json", str(out), "--plot", str(replot)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert [line for line in again.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))] == verdicts
+    assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
