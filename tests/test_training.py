@@ -268,3 +268,25 @@ def test_companion_predictor_is_frozen_and_feeds_the_head(tiny_model_dir, tmp_pa
     fit(module, make_data(), epochs=1)
     assert all(torch.equal(p, frozen[n]) for n, p in module.companion.named_parameters())
     assert any(not torch.equal(p, head[n]) for n, p in module.head.named_parameters())
+
+
+def test_scoring_with_a_shared_prompt_prefix_matches_plain_forward_passes(tiny_model_dir, monkeypatch):
+    """The pool's common prefix runs once and its KV cache is shared; the scores must not change, for
+    roots and for prefixes deeper in rollouts, with LoRA and without."""
+    from trace_lightning import module as module_lib
+
+    for adapter in (None, "lora"):
+        torch.manual_seed(0)
+        module, data = make_module(tiny_model_dir, adapter=adapter), make_data()
+        data.build_iteration(module)
+        trees = data.report.result.trees
+        nodes = [[0, *(n.id for n in t.nodes[1:] if n.reward is None)] for t in trees]
+        runner = data._runner
+        pool = [runner.new_tree(t) for t in sorted(runner.tasks)[:12]]
+        assert module_lib._common_prefix_len([t.prompt_ids for t in pool]) >= module_lib.MIN_SHARED_PREFIX
+        shared = module.predict_success(trees, nodes) + module.predict_success(pool, [[0]] * len(pool))
+        monkeypatch.setattr(module_lib, "MIN_SHARED_PREFIX", 10**9)
+        plain = module.predict_success(trees, nodes) + module.predict_success(pool, [[0]] * len(pool))
+        monkeypatch.undo()
+        for a, b in zip(shared, plain, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)

@@ -15,9 +15,10 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from trace_lightning.batching import RolloutBatch, right_pad
+from trace_lightning.engines.hf import CACHE_KWARG
 from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
 from trace_lightning.predictor import SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
@@ -84,7 +85,40 @@ class TraceModule(L.LightningModule):
             return policy_hidden
         model = self.companion if self.companion is not None else self.policy
         with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+            # logits_to_keep=1: the head reads hidden states only; full-vocabulary logits would be wasted
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
+            return out.hidden_states[-1]
+
+    def _scoring_hidden(self, seqs: list[list[int]], first_read: int) -> tuple[torch.Tensor, int]:
+        """Hidden states the head reads for right-padded `seqs` [B, T - c, H], from position c on.
+
+        A candidate pool shares its chat template and system prompt (104 of ~121 tokens per prompt on
+        search_qa), so the chunk's common token prefix, up to the first position read, runs once and
+        its KV cache is copied to every row; only the rest runs per row. Same states, less compute.
+        """
+        pad = self.tokenizer.pad_token_id
+        shared = min(_common_prefix_len(seqs), first_read, min(len(s) for s in seqs) - 1)
+        if len(seqs) == 1 or shared < MIN_SHARED_PREFIX:
+            ids, mask = right_pad(seqs, pad)
+            return self._predictor_hidden(ids.to(self.device), mask.to(self.device), None), 0
+        model = self.companion if self.companion is not None else self.policy
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            prefix = torch.tensor([seqs[0][:shared]], device=self.device)
+            model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+            cache.batch_select_indices(torch.zeros(len(seqs), dtype=torch.long, device=self.device))
+            ids, suffix_mask = right_pad([s[shared:] for s in seqs], pad)
+            mask = torch.cat([torch.ones(len(seqs), shared, dtype=torch.long), suffix_mask], dim=1)
+            positions = shared + torch.arange(ids.shape[1]).expand(len(seqs), -1)
+            out = model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                output_hidden_states=True,
+                logits_to_keep=1,
+                **{CACHE_KWARG: cache},
+            )
+        return out.hidden_states[-1], shared
 
     @staticmethod
     def _load_policy(path: str, adapter: Any | None) -> torch.nn.Module:
@@ -143,11 +177,12 @@ class TraceModule(L.LightningModule):
             seqs = [trees[ti].token_ids(src) for ti, src, _ in chunk]
             rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
             cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
-            ids, mask = right_pad(seqs, self.tokenizer.pad_token_id)
-            hidden = self._predictor_hidden(ids.to(self.device), mask.to(self.device), None)
+            hidden, offset = self._scoring_hidden(seqs, min(cols))
             logits = self.head(
                 gather_positions(
-                    hidden, torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+                    hidden,
+                    torch.tensor(rows, device=self.device),
+                    torch.tensor(cols, device=self.device) - offset,
                 )
             )
             keys = [(ti, n) for ti, _, prefixes in chunk for n in prefixes]
@@ -250,3 +285,15 @@ class TraceModule(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
         }
+
+
+MIN_SHARED_PREFIX = 16  # below this, one plain forward pass is cheaper than the cache bookkeeping
+
+
+def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest token prefix every sequence starts with."""
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n

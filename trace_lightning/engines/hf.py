@@ -38,7 +38,7 @@ from trace_lightning.engines.base import Completion, EngineStats, FinishReason, 
 
 # transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40);
 # 4.x only knows the old one.
-_CACHE_KWARG = (
+CACHE_KWARG = (
     "cache"
     if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
@@ -126,7 +126,7 @@ class HFEngine:
             generation_config=self._generation_config(params),
             logits_processor=LogitsProcessorList([logprobs]),
             stopping_criteria=StoppingCriteriaList([stops]),
-            **{_CACHE_KWARG: cache},
+            **{CACHE_KWARG: cache},
         )
         token_logp = logprobs.finish(sequences).cpu()  # [B, T]
         tokens = sequences[:, ids.shape[1] :].cpu()  # [B, T]
@@ -147,7 +147,7 @@ class HFEngine:
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
-            **{_CACHE_KWARG: cache},
+            **{CACHE_KWARG: cache},
         )
         return cache
 
