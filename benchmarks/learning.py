@@ -311,7 +311,9 @@ def per_seed_metrics(seed_result: dict[str, Any]) -> dict[str, dict[str, float]]
     out = {}
     for name, r in runs.items():
         eff = float(np.mean([row["effective_ratio"] for row in r["iterations"]]))
-        reach = leaves_to_reach(r["evals"], target)
+        # Where GRPO ended no higher than the shared start, every method "reaches" its final success at
+        # 0 leaves; the comparison says nothing there, so it is left undefined (nan) for that seed.
+        reach = leaves_to_reach(r["evals"], target) if target > grpo["evals"][0]["success"] else float("nan")
         out[name] = {
             "final_success": float(smoothed(r["evals"])[-1]),
             "start_success": float(r["evals"][0]["success"]),
