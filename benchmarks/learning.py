@@ -1,7 +1,7 @@
 """Learning benchmark: a tiny Qwen3 policy trained with RL on the synthetic chain task (`env=chain`), every
 allocator at the same leaf budget per iteration, 3 seeds; success measured by a fixed evaluation.
 
-    python benchmarks/learning.py            # the full run of benchmarks/sections/learning.md
+    python benchmarks/learning.py            # the full run reported in BENCHMARKS.md
     python benchmarks/learning.py --quick    # the test suite's smoke run (tests/test_bench_learning.py)
 
 Per seed:
