@@ -45,11 +45,12 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def make_data(args, allocator: alloc.TreeAllocator, env: SearchQAEnv) -> RolloutDataModule:
+def make_data(args, allocator: alloc.TreeAllocator, env: SearchQAEnv, engine=None) -> RolloutDataModule:
+    """The DataModule both real-model benchmarks sample with; `engine` defaults to the HF engine."""
     return RolloutDataModule(
         env=env,
         allocator=allocator,
-        engine=functools.partial(HFEngine, max_batch_size=args.gen_batch),
+        engine=engine or functools.partial(HFEngine, max_batch_size=args.gen_batch),
         sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0),
         leaves=args.leaves,
         pool_size=args.pool,

@@ -44,11 +44,10 @@ from common import (
     tiny_module,
     train_iteration,
 )
-from real_contrast import fit_head, iteration_row
+from real_contrast import fit_head, iteration_row, make_data
 
 from trace_lightning import allocation as alloc
 from trace_lightning.allocation import Budget, BudgetLedger
-from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch
@@ -136,21 +135,6 @@ def warm_up(module: TraceModule, env: Any, args: argparse.Namespace) -> float | 
     data.rng = np.random.default_rng(args.seed + 10_000)  # warm-up pools differ from the measured ones
     batches = [b for _ in range(args.warmup) for b in data.build_iteration(module)]
     return fit_head(module, batches, args.head_steps)
-
-
-def make_data(args: argparse.Namespace, allocator: Any, env: Any, engine: Any) -> RolloutDataModule:
-    return RolloutDataModule(
-        env=env,
-        allocator=allocator,
-        engine=engine,
-        sampling=SamplingParams(args.max_new_tokens, args.temperature, 1.0),
-        leaves=args.leaves,
-        pool_size=args.pool,
-        micro_batch_size=4,
-        max_turns=args.max_turns,
-        max_episode_tokens=args.max_episode_tokens,
-        seed=args.seed,
-    )
 
 
 def run_method(module: TraceModule, allocator: Any, env: Any, args: argparse.Namespace) -> dict[str, Any]:
