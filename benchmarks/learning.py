@@ -201,6 +201,17 @@ def iteration_row(data: RolloutDataModule) -> dict[str, float]:
         "effective_ratio": float(np.mean([s.mixed for s in stats])),
         "mixed_prefix_per_100": 100 * sum(sum(s.mixed_by_depth[1:]) for s in stats) / leaves,
         "train_success": float(np.mean([t.nodes[x].reward >= 0.5 for t in res.trees for x in t.leaves()])),
+        # Can the head tell prompts apart? The spread of its root predictions over the candidate pool,
+        # and its bias on the prompts that got rollouts (predicted minus realised success).
+        "pool_pred_sd": float(np.std(res.pool_predicted)),
+        "root_pred_bias": float(
+            np.mean(
+                [
+                    t.root.predicted - np.mean([t.nodes[x].reward >= 0.5 for x in t.leaves()])
+                    for t in res.trees
+                ]
+            )
+        ),
     }
 
 

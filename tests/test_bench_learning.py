@@ -38,6 +38,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
             for row in run["iterations"]:  # the budget is spent exactly, every iteration
                 assert row["leaves"] == run["leaves_per_iteration"]
                 assert 0.0 <= row["effective_ratio"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0
+                assert 0.0 <= row["pool_pred_sd"] <= 0.5 and -1.0 <= row["root_pred_bias"] <= 1.0
             for e in run["evals"]:
                 assert e["leaves"] == e["iteration"] * run["leaves_per_iteration"]
                 assert 0.0 <= e["success"] <= 1.0
@@ -56,3 +57,23 @@ def test_learning_benchmark_quick_mode(tmp_path):
     )
     assert [line for line in again.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))] == verdicts
     assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_head_diagnosis_quick_mode(tmp_path):
+    out = tmp_path / "head.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/head_diagnosis.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "pool prediction mean" in proc.stdout
+    result = json.loads(out.read_text())
+    assert [r["method"] for r in result["runs"]] == ["trace", "uniform"]
+    for run in result["runs"]:
+        assert len(run["rows"]) == result["config"]["iterations"] == 2
+        assert 1 <= run["distinct_tasks"] <= 32 and 0.0 <= run["eval_success"] <= 1.0
+        for row in run["rows"]:
+            assert row["leaves"] == 24 and 0.0 <= row["pool_pred_sd"] <= 0.5
