@@ -3,6 +3,7 @@ tell the candidate prompts apart at all?
 
     .venv/bin/python benchmarks/head_diagnosis.py                          # seed 0, 30 iterations (~2 min)
     .venv/bin/python benchmarks/head_diagnosis.py --predictor-lr 1e-2      # the same with a 10x head lr
+    .venv/bin/python benchmarks/head_diagnosis.py --refit-steps 100        # + a head refit on replayed roots
     .venv/bin/python benchmarks/head_diagnosis.py --quick                  # the test suite runs this
 
 learning.py's setting (its defaults: chain task, 32 tasks, warm start to success 0.45, 24 leaves per
@@ -34,7 +35,26 @@ from trace_lightning.models import build_tiny_model
 from trace_lightning.module import TraceModule
 
 
-def run(name: str, allocator, model_dir: str, warm, env, args, predictor_lr: float) -> dict:
+def refit_head(module: TraceModule, replay: collections.deque, steps: int) -> None:
+    """`steps` head-only AdamW steps on the replayed roots: hidden state at each prompt's last token
+    under the current policy, target its realised success, weight its leaf count."""
+    prompts = [p for p, _, _ in replay]
+    with torch.no_grad():
+        hidden, offset = module._scoring_hidden(prompts, min(len(p) for p in prompts) - 1)
+        rows = torch.arange(len(prompts))
+        cols = torch.tensor([len(p) - 1 for p in prompts]) - offset
+        features = hidden[rows, cols]  # [R, H]
+    target = torch.tensor([v for _, v, _ in replay], dtype=torch.float32)
+    weight = torch.tensor([w for _, _, w in replay], dtype=torch.float32)
+    opt = torch.optim.AdamW(module.head.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = (weight * (torch.sigmoid(module.head(features)) - target) ** 2).sum() / weight.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def run(name: str, allocator, model_dir: str, warm, env, args, predictor_lr: float, refit: int) -> dict:
     torch.manual_seed(args.seed)
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
     module = TraceModule(model_dir, optimizer, predictor_width=64, predictor_lr=predictor_lr)
@@ -54,6 +74,7 @@ def run(name: str, allocator, model_dir: str, warm, env, args, predictor_lr: flo
     )
     opt = module.configure_optimizers()
     picked: collections.Counter[int] = collections.Counter()
+    replay: collections.deque = collections.deque(maxlen=10 * args.pool)  # about 10 iterations of roots
     rows = []
     for it in range(1, args.iterations + 1):
         for batch in data.build_iteration(module):
@@ -64,6 +85,11 @@ def run(name: str, allocator, model_dir: str, warm, env, args, predictor_lr: flo
                 opt.step()
         row = learning.iteration_row(data) | {"iteration": it}
         picked.update(t.task_id for t in data.report.result.trees)
+        if refit:
+            for t in data.report.result.trees:
+                won = [t.nodes[x].reward >= 0.5 for x in t.leaves()]
+                replay.append((t.prompt_ids, float(np.mean(won)), float(len(won))))
+            refit_head(module, replay, refit)
         rows.append(row | {"pool_pred_mean": float(np.mean(data.report.result.pool_predicted))})
         if it % 5 == 0 or it == args.iterations:
             print(
@@ -81,6 +107,12 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--predictor-lr", type=float, default=1e-3, help="TraceModule's default is 1e-3")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--refit-steps",
+        type=int,
+        default=0,
+        help="after each iteration, this many head-only steps on ~10 iterations of replayed roots",
+    )
     p.add_argument("--quick", action="store_true", help="2 iterations, a short warm start")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/head_diagnosis.json"))
     own, rest = p.parse_known_args()
@@ -101,9 +133,16 @@ def main() -> None:
         "trace": alloc.trace(args.expansion, max_per_prompt=args.max_per_prompt),
         "uniform": alloc.uniform(4),
     }
-    runs = [run(n, a, model_dir, warm, env, args, own.predictor_lr) for n, a in methods.items()]
+    runs = [
+        run(n, a, model_dir, warm, env, args, own.predictor_lr, own.refit_steps) for n, a in methods.items()
+    ]
     own.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"predictor_lr": own.predictor_lr, "iterations": args.iterations, "seed": args.seed}
+    config = {
+        "predictor_lr": own.predictor_lr,
+        "refit_steps": own.refit_steps,
+        "iterations": args.iterations,
+        "seed": args.seed,
+    }
     own.out.write_text(json.dumps({"config": config, "warm_start": warm_info, "runs": runs}, indent=1))
     print(f"wrote {own.out}")
 
