@@ -62,7 +62,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
 def test_head_diagnosis_quick_mode(tmp_path):
     out = tmp_path / "head.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/head_diagnosis.py", "--quick", "--out", str(out)],
+        [sys.executable, "benchmarks/head_diagnosis.py", "--quick", "--refit-steps", "5", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -72,6 +72,7 @@ def test_head_diagnosis_quick_mode(tmp_path):
     assert "pool prediction mean" in proc.stdout
     result = json.loads(out.read_text())
     assert [r["method"] for r in result["runs"]] == ["trace", "uniform"]
+    assert result["config"]["refit_steps"] == 5
     for run in result["runs"]:
         assert len(run["rows"]) == result["config"]["iterations"] == 2
         assert 1 <= run["distinct_tasks"] <= 32 and 0.0 <= run["eval_success"] <= 1.0
