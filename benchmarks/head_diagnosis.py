@@ -27,9 +27,6 @@ import numpy as np
 import torch
 
 from trace_lightning import allocation as alloc
-from trace_lightning.data import RolloutDataModule
-from trace_lightning.engines.base import SamplingParams
-from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.models import build_tiny_model
 from trace_lightning.module import TraceModule
@@ -59,30 +56,13 @@ def run(name: str, allocator, model_dir: str, warm, env, args, predictor_lr: flo
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
     module = TraceModule(model_dir, optimizer, predictor_width=64, predictor_lr=predictor_lr)
     module.policy.load_state_dict(warm)
-    data = RolloutDataModule(
-        env=env,
-        allocator=allocator,
-        engine=functools.partial(HFEngine, max_batch_size=64),
-        sampling=SamplingParams(learning.MAX_NEW_TOKENS, temperature=args.temperature),
-        leaves=args.leaves,
-        pool_size=args.pool,
-        micro_batch_size=args.micro_batch,
-        max_turns=args.turns,
-        max_episode_tokens=learning.MAX_EPISODE_TOKENS,
-        cold_start=alloc.BetaPrior(warmup=1),
-        seed=args.seed,
-    )
+    data = learning.make_data(allocator, args.leaves, env, args, args.seed)
     opt = module.configure_optimizers()
     picked: collections.Counter[int] = collections.Counter()
     replay: collections.deque = collections.deque(maxlen=10 * args.pool)  # about 10 iterations of roots
     rows = []
     for it in range(1, args.iterations + 1):
-        for batch in data.build_iteration(module):
-            loss = module.training_step(batch, it)
-            opt.zero_grad()
-            if loss is not None:
-                loss.backward()
-                opt.step()
+        learning.train_iteration(module, data, opt, it)
         row = learning.iteration_row(data) | {"iteration": it}
         picked.update(t.task_id for t in data.report.result.trees)
         if refit:

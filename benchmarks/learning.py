@@ -215,6 +215,35 @@ def iteration_row(data: RolloutDataModule) -> dict[str, float]:
     }
 
 
+def make_data(
+    allocator: alloc.TreeAllocator, leaves: int, env: ChainEnv, args: argparse.Namespace, seed: int
+) -> RolloutDataModule:
+    return RolloutDataModule(
+        env=env,
+        allocator=allocator,
+        engine=functools.partial(HFEngine, max_batch_size=64),
+        sampling=SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature),
+        leaves=leaves,
+        pool_size=args.pool,
+        micro_batch_size=args.micro_batch,
+        max_turns=args.turns,
+        max_episode_tokens=MAX_EPISODE_TOKENS,
+        estimator=args.estimator,
+        cold_start=BetaPrior(warmup=1),
+        seed=seed,
+    )
+
+
+def train_iteration(module: TraceModule, data: RolloutDataModule, opt: Any, it: int) -> None:
+    """Sample one iteration, then one optimizer step per micro-batch (an epoch, minus the clipping)."""
+    for batch in data.build_iteration(module):
+        loss = module.training_step(batch, it)
+        opt.zero_grad()
+        if loss is not None:
+            loss.backward()
+            opt.step()
+
+
 def train_run(
     name: str,
     allocator: alloc.TreeAllocator,
@@ -229,31 +258,13 @@ def train_run(
     module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
     module.policy.load_state_dict(warm)
     leaves = leaves_of(name, args)
-    data = RolloutDataModule(
-        env=env,
-        allocator=allocator,
-        engine=functools.partial(HFEngine, max_batch_size=64),
-        sampling=SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature),
-        leaves=leaves,
-        pool_size=args.pool,
-        micro_batch_size=args.micro_batch,
-        max_turns=args.turns,
-        max_episode_tokens=MAX_EPISODE_TOKENS,
-        estimator=args.estimator,
-        cold_start=BetaPrior(warmup=1),
-        seed=seed,
-    )
+    data = make_data(allocator, leaves, env, args, seed)
     opt = module.configure_optimizers()
     rows: list[dict[str, float]] = []
     evals = [{"iteration": 0, "leaves": 0, "tokens": 0, "success": evaluate(module, env, args, seed)}]
     start = time.perf_counter()
     for it in range(1, args.iterations + 1):
-        for batch in data.build_iteration(module):
-            loss = module.training_step(batch, it)
-            opt.zero_grad()
-            if loss is not None:
-                loss.backward()
-                opt.step()
+        train_iteration(module, data, opt, it)
         rows.append(iteration_row(data))
         assert rows[-1]["leaves"] == leaves, f"{name} spent {rows[-1]['leaves']} leaves, budget {leaves}"
         if it % args.eval_every == 0 or it == args.iterations:
