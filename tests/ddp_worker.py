@@ -46,10 +46,8 @@ def main() -> None:
                 f"output_root={out}",
                 f"run_dir={out}/run",
                 "logger=none",
-                "callbacks=none",
                 "trainer.strategy=ddp",
                 "trainer.devices=2",
-                "+trainer.enable_checkpointing=false",
                 *sys.argv[2:],
             ],
         )

@@ -169,7 +169,9 @@ class RolloutStats(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (report := _latest_report(trainer)) is not None:
             metrics = self.metrics(report, take_engine_stats(_datamodule(trainer)))
-            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+            # The report is gathered over processes, so every process logs the same keys and values;
+            # sync_dist only makes that explicit to Lightning (which warns otherwise).
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -255,7 +257,9 @@ class PredictorCalibration(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (report := _latest_report(trainer)) is not None:
-            pl_module.log_dict(calibration_metrics(report), on_step=False, on_epoch=True, batch_size=1)
+            pl_module.log_dict(
+                calibration_metrics(report), on_step=False, on_epoch=True, batch_size=1, sync_dist=True
+            )
 
 
 # --------------------------------------------------------------------------- artifacts

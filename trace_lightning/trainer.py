@@ -131,7 +131,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def _say_where(trainer: L.Trainer, cfg: DictConfig) -> None:
-    """Tell the user where the run went and how to look at it."""
+    """Tell the user where the run went and how to look at it (once, from the first process)."""
+    if not trainer.is_global_zero:
+        return
     print(f"\nrun directory: {Path(cfg.run_dir).resolve()}")
     logger = trainer.logger
     uri = getattr(logger, "_tracking_uri", None)
