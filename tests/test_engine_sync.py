@@ -43,7 +43,8 @@ def test_logprob_mismatch_exposes_a_trainer_at_another_temperature(tiny_model_di
     torch.manual_seed(0)
     module = make_module(tiny_model_dir, temperature=1.0)
     data = make_data(sampling=SamplingParams(max_new_tokens=12, temperature=0.5))
-    data.build_iteration(module)
+    with pytest.warns(UserWarning, match="sampling.temperature=0.5"):
+        data.build_iteration(module)
     assert data.report.logprob_mismatch > 0.05
 
 

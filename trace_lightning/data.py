@@ -23,7 +23,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
@@ -106,6 +106,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _runner_for(self, module: Any) -> ReActRunner:
         if self._runner is None:
+            scored_at = getattr(module, "hparams", {}).get("temperature", self.sampling.temperature)
+            if scored_at != self.sampling.temperature:
+                rank_zero_warn(
+                    f"TraceModule scores tokens at temperature {scored_at} but they are sampled at "
+                    f"sampling.temperature={self.sampling.temperature}: the importance ratio then compares "
+                    "against another policy (engine/logprob_mismatch will show it). Pass the same "
+                    "temperature to TraceModule (the CLI does)."
+                )
             engine = self.engine_factory(model=module.policy, tokenizer=module.tokenizer)
             self._runner = ReActRunner(
                 engine,
