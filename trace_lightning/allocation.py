@@ -90,19 +90,39 @@ class BudgetLedger:
 
 
 def v_root(v: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """P(m rollouts of a prompt with success probability v are mixed) = 1 - v^m - (1-v)^m."""
-    return np.asarray(1.0 - v**m - (1.0 - v) ** m, dtype=np.float64)
+    """P(m rollouts of a prompt with success probability v are mixed) = 1 - v^m - (1-v)^m for m >= 2.
+
+    m = 0 and m = 1 can never be mixed, so both are exactly 0 (the formula would give -1 at m = 0,
+    which once made the program charge every skipped prompt and open as many groups as it could).
+    """
+    v, m = np.asarray(v, dtype=np.float64), np.asarray(m)
+    return np.asarray(np.where(m >= 2, 1.0 - v**m - (1.0 - v) ** m, 0.0), dtype=np.float64)
+
+
+# V_root(v, 2) / 2 = V_root(v, 3) / 3 = v(1 - v): groups of 2 and 3 tie per rollout, so many optima
+# exist. A bonus far below any real difference in the objective makes the program pick, among
+# (numerically) equal optima, the one that trains the most prompts: more prompts is more contrast per
+# batch for the same expected number of mixed groups (issue 11).
+BREADTH_TIE_BREAK = 1e-9
 
 
 def solve_roots(
-    predicted: np.ndarray, n_roots: int, min_group: int = 2, max_per_prompt: int | None = 16
+    predicted: np.ndarray,
+    n_roots: int,
+    min_group: int = 2,
+    max_per_prompt: int | None = 16,
+    leaves_per_root: int = 1,
 ) -> np.ndarray:
     """Exact Stage 1: integer m_i in {0} ∪ [min_group, cap] with sum m_i = n_roots maximising
-    sum V_root(v_i, m_i), by dynamic programming over the budget (TRACE_SPEC: a plain greedy is not
-    exact because of the first block of `min_group` rollouts).
+    sum V_root(v_i, leaves_per_root * m_i), by dynamic programming over the budget (TRACE_SPEC: a
+    plain greedy is not exact because of the first block of `min_group` rollouts).
 
-    O(P * n_roots * cap) with one vectorised step per prompt. Ties go to the smaller count for the
-    earlier prompt, so the result is a deterministic function of the input order.
+    `leaves_per_root` = 1 + N counts the continuations each bare rollout brings to its prompt
+    (our choice, off by default): the prompt's tree is mixed when any of its leaves differ.
+
+    O(P * n_roots * cap) with one vectorised step per prompt. Among optima the one with the most
+    prompts wins (`BREADTH_TIE_BREAK`); remaining ties go to the smaller count for the earlier prompt,
+    so the result is a deterministic function of the input order.
 
     Example: v = [0.5, 0.9, 0.5], n_roots = 4, min_group = 2 -> [2, 0, 2]
     (two groups of 2 at v = 0.5 give 0.5 + 0.5; a group of 4 at v = 0.5 gives only 0.875).
@@ -111,7 +131,8 @@ def solve_roots(
     cap = n_roots if max_per_prompt is None else min(max_per_prompt, n_roots)
     _check_root_budget(len(v), n_roots, min_group, cap)
     sizes = np.concatenate([[0], np.arange(min_group, cap + 1)])  # [S]
-    gains = v_root(v[:, None], sizes[None, :])  # [P, S]
+    gains = v_root(v[:, None], leaves_per_root * sizes[None, :])  # [P, S]
+    gains = gains + BREADTH_TIE_BREAK * (sizes[None, :] > 0)
     budget_idx = np.arange(n_roots + 1)  # [B]
     prev = budget_idx[None, :] - sizes[:, None]  # [S, B] budget before adding this prompt
     valid = prev >= 0
@@ -239,9 +260,10 @@ class ActiveRoots:
 
     min_group: int = 2
     max_per_prompt: int | None = 16
+    leaves_per_root: int = 1  # 1 + N to count each bare rollout's continuations in V_root (our choice)
 
     def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
-        return solve_roots(predicted, n_roots, self.min_group, self.max_per_prompt)
+        return solve_roots(predicted, n_roots, self.min_group, self.max_per_prompt, self.leaves_per_root)
 
 
 @dataclass(frozen=True)
@@ -340,8 +362,18 @@ def random_expand(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
     return TreeAllocator("random_expand", UniformRoots(group_size), RandomPrefixes(), expansion)
 
 
-def trace(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
-    return TreeAllocator("trace", ActiveRoots(min_group, max_per_prompt), ActivePrefixes(), expansion)
+def trace(
+    expansion: int = 2,
+    min_group: int = 2,
+    max_per_prompt: int | None = 16,
+    count_continuations: bool = False,
+) -> TreeAllocator:
+    """`count_continuations`: Stage 1 scores a prompt by V_root over all its m_i (1 + N) leaves instead
+    of its m_i bare rollouts (our variant: continuations can make a root mixed too)."""
+    per_root = 1 + expansion if count_continuations else 1
+    return TreeAllocator(
+        "trace", ActiveRoots(min_group, max_per_prompt, per_root), ActivePrefixes(), expansion
+    )
 
 
 def trace_root_only(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
