@@ -393,8 +393,13 @@ def trace_prefix_only(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
 
 @dataclass
 class BetaPrior:
-    """Per-prompt Beta(alpha, beta) posterior of the success rate: the allocation signal for the
-    first `warmup` iterations, before the learned predictor has seen any tree targets.
+    """Per-prompt Beta(alpha, beta) posterior of the success rate, from bare rollouts only (each is an
+    independent draw of V(prompt); continuations condition on prefixes Stage 2 chose).
+
+    It is the allocation signal for the first `warmup` iterations, before the learned predictor has
+    seen any tree targets, and the per-prompt evidence of Thompson sampling (`selection.py`). With
+    `decay` < 1 every count is multiplied by it once per iteration, so old evidence about a policy
+    that has since changed fades (decay 1 keeps every count).
 
     For prefixes the prior has no information beyond the prompt, so a prefix gets its prompt's mean.
     """
@@ -402,23 +407,41 @@ class BetaPrior:
     alpha: float = 1.0
     beta: float = 1.0
     warmup: int = 1
-    counts: dict[int, tuple[int, int]] = field(default_factory=dict)  # task_id -> (succ, fail)
+    decay: float = 1.0
+    counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # task_id -> (succ, fail)
 
     def __post_init__(self) -> None:
         if self.alpha <= 0 or self.beta <= 0:
             raise ValueError(f"cold_start.alpha={self.alpha}, beta={self.beta}: both must be > 0")
         if self.warmup < 0:
             raise ValueError(f"cold_start.warmup={self.warmup} must be >= 0 (0 disables the prior)")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"cold_start.decay={self.decay} must be in (0, 1] (1: no decay)")
 
     def active(self, iteration: int) -> bool:
         return iteration < self.warmup
 
+    def successes_failures(self, task_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Decayed success and failure counts [P] each."""
+        sf = np.array([self.counts.get(t, (0.0, 0.0)) for t in task_ids], dtype=np.float64).reshape(-1, 2)
+        return sf[:, 0], sf[:, 1]
+
     def mean(self, task_ids: Sequence[int]) -> np.ndarray:
-        s, f = np.array([self.counts.get(t, (0, 0)) for t in task_ids], dtype=np.float64).reshape(-1, 2).T
+        s, f = self.successes_failures(task_ids)
         return np.asarray((self.alpha + s) / (self.alpha + self.beta + s + f), dtype=np.float64)
 
-    def update(self, task_id: int, successes: int, failures: int) -> None:
-        s, f = self.counts.get(task_id, (0, 0))
+    def visits(self, task_ids: Sequence[int]) -> np.ndarray:
+        """Decayed number of observed rollouts per prompt [P]."""
+        s, f = self.successes_failures(task_ids)
+        return np.asarray(s + f, dtype=np.float64)
+
+    def step(self) -> None:
+        """One iteration passed: fade every count by `decay`."""
+        if self.decay < 1.0:
+            self.counts = {t: (s * self.decay, f * self.decay) for t, (s, f) in self.counts.items()}
+
+    def update(self, task_id: int, successes: float, failures: float) -> None:
+        s, f = self.counts.get(task_id, (0.0, 0.0))
         self.counts[task_id] = (s + successes, f + failures)
 
     def state_dict(self) -> dict[str, object]:
@@ -427,4 +450,4 @@ class BetaPrior:
     def load_state_dict(self, state: dict[str, object]) -> None:
         counts = state["counts"]
         assert isinstance(counts, dict)
-        self.counts = {int(k): (int(v[0]), int(v[1])) for k, v in counts.items()}
+        self.counts = {int(k): (float(v[0]), float(v[1])) for k, v in counts.items()}

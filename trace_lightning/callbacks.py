@@ -23,9 +23,7 @@ from trace_lightning.allocation import BudgetLedger
 from trace_lightning.data import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.plots import draw_tree
-from trace_lightning.tree import RolloutTree, TreeStats, backup, tree_stats
-
-SUCCESS = 0.5  # reward at or above which a leaf counts as a success, as in `tree.backup`
+from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
 
 
 def _mean(values: Any) -> float:
@@ -249,6 +247,19 @@ def calibration_metrics(report: IterationReport) -> dict[str, float]:
     out |= binary_scores("predictor/prefix_", *samples["prefix"])
     if len(errors := value_errors(report.result.trees)):
         out["predictor/value_mse"] = float(errors.mean())
+    if (q := report.root_quality) is not None:  # Stage 1's inputs: spread, ranking, gate (issue 11)
+        out["predictor/pool_spread"] = q.pool_spread
+        out["predictor/gate"] = float(q.gate_open)
+        out |= {
+            k: v
+            for k, v in [
+                ("predictor/root_auroc_mixed", q.auroc_mixed),
+                ("predictor/gate_auroc", q.gate_auroc),
+            ]
+            if math.isfinite(v)
+        }
+    if math.isfinite(report.refit_loss):
+        out["predictor/refit_loss"] = report.refit_loss
     return out
 
 

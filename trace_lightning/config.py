@@ -53,15 +53,33 @@ class ColdStartConfig:
     alpha: float = 1.0
     beta: float = 1.0
     warmup: int = 1
+    decay: float = 1.0
 
 
 @dataclass
 class PredictorConfig:
     width: int = 256
     lr: float = 1e-3
-    coef: float = 1.0
+    coef: float = 0.0
     weighting: str = "leaves"
     backbone: str | None = None
+    standardize: bool = True
+    posterior_features: bool = False
+    refit_steps: int = 50
+    replay_window: int = 8
+    refit_batch: int = 256
+
+
+@dataclass
+class SelectionConfig:
+    thompson: bool = False
+    predictor_strength: float = 8.0
+    gate_auroc: float | None = None
+    gate_window: int = 4
+    gate_min_samples: int = 8
+    epoch_pools: bool = False
+    max_visits: int | None = None
+    visit_window: int = 8
 
 
 @dataclass
@@ -82,6 +100,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     model: Any = MISSING
     adapter: Any = None

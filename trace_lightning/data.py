@@ -38,8 +38,10 @@ from trace_lightning.batching import (
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment
 from trace_lightning.iteration import Iteration, Shard, build_trees
+from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import ReActRunner, RolloutCounters
-from trace_lightning.tree import RolloutTree
+from trace_lightning.selection import RootQuality, Selection, bare_outcomes
+from trace_lightning.tree import RolloutTree, backup
 
 
 @dataclass
@@ -58,6 +60,8 @@ class IterationReport:
     logprob_mismatch: float = math.nan
     logprob_mismatch_max: float = math.nan
     processes: int = 1  # processes whose trees `result` gathers (multi-process training)
+    root_quality: RootQuality | None = None  # how the head's raw root predictions fared (out of sample)
+    refit_loss: float = math.nan  # the predictor refit's last minibatch loss (NaN: no refit ran)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -77,6 +81,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_observation_chars: int = 4000,
         estimator: str = "tree_grpo",
         cold_start: BetaPrior | None = None,
+        selection: Selection | None = None,
+        predictor_fit: PredictorFit | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -93,6 +99,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.prior = cold_start if cold_start is not None else BetaPrior(warmup=0)
+        self.selection = selection if selection is not None else Selection()
+        self.predictor_fit = predictor_fit  # None: the head learns only from the joint loss
         self.rng = np.random.default_rng(seed)
         # The engine samples with torch's global RNG; the DataModule owns that stream between iterations
         # (restored before and saved after each one), so whatever else draws from the global RNG in
@@ -156,24 +164,25 @@ class RolloutDataModule(L.LightningDataModule):
         """
         runner = self._runner_for(module)
         runner.counters = RolloutCounters()
-        task_ids = sorted(runner.tasks)
-        pool = [
-            runner.new_tree(task_ids[i])
-            for i in self.rng.choice(len(task_ids), size=self.pool_size, replace=False)
-        ]
+        pool_ids = self.selection.draw_pool(sorted(runner.tasks), self.pool_size, self.iteration, self.rng)
+        pool = [runner.new_tree(t) for t in pool_ids]
         used_prior = self.prior.active(self.iteration)
-        score = self._prior_scores if used_prior else module.predict_success
+        score = _RecordingScorer(module, self.prior, used_prior)
         weights_used = fingerprint(module)
         sync_seconds = self._sync_engine(runner.engine, module)
         rank_zero_info(
             f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
         )
         start = time.perf_counter()
+        raw = self._root_predictions(pool, score)  # [P] the head's (or the prior's) estimates
+        estimates = self.selection.estimates(raw, pool_ids, self.prior, self.rng)  # [P] what Stage 1 uses
         torch.set_rng_state(self._sampling_rng)
         local = build_trees(
-            pool, self.allocator, self._budget(), score, runner, self.rng, self._shard(pool, score)
+            pool, self.allocator, self._budget(), score, runner, self.rng, self._shard(estimates), estimates
         )
         self._sampling_rng = torch.get_rng_state()
+        for tree, v in zip(pool, raw, strict=True):  # calibration is measured on the raw predictions
+            tree.root.predicted = float(v)
         if hasattr(runner.engine, "sleep"):  # optional: frees accelerator memory for training
             runner.engine.sleep()
         sample_seconds = time.perf_counter() - start
@@ -183,14 +192,17 @@ class RolloutDataModule(L.LightningDataModule):
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
+        quality = self.selection.observe(self.iteration, result.trees, raw)
+        refit_loss = self._refit(module, pool, result.trees, score.features)
+        self.prior.step()
         for tree in result.trees:
-            wins = sum(tree.nodes[leaf].reward >= 0.5 for leaf in tree.leaves())  # type: ignore[operator]
-            self.prior.update(tree.task_id, int(wins), len(tree.leaves()) - int(wins))
+            wins = bare_outcomes(tree)
+            self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
         batches, gaps = self._batches(local.trees, module, pool)
         mismatch = _mean_max(np.concatenate(self._all_gather(gaps)))
         self.report = IterationReport(
             self.iteration,
-            result,
+            Iteration(result.trees, result.ledger, raw, result.root_counts),
             counters,
             used_prior,
             weights_used,
@@ -198,9 +210,53 @@ class RolloutDataModule(L.LightningDataModule):
             sample_seconds,
             *mismatch,
             processes=self._world()[1],
+            root_quality=quality,
+            refit_loss=refit_loss,
         )
         self.iteration += 1
         return batches
+
+    # ------------------------------------------------------------------ predictor
+
+    def _root_predictions(self, pool: list[RolloutTree], score: _RecordingScorer) -> np.ndarray:
+        """Root estimates over the whole pool [P]. With several processes each scores a round-robin
+        share (shares differ by at most one) and the scores are gathered, so all see the same pool."""
+        rank, world = self._world()
+        if world == 1:
+            return np.concatenate(score(pool, [[0]] * len(pool))) if pool else np.zeros(0)
+        mine = list(range(rank, len(pool), world))
+        local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
+        scores = np.full(len(pool), np.nan)
+        for r, values in enumerate(self._all_gather([float(v[0]) for v in local])):
+            scores[r::world] = values
+        return scores
+
+    def _refit(
+        self,
+        module: Any,
+        pool: list[RolloutTree],
+        trees: list[RolloutTree],
+        features: dict[tuple[int, int], Any],
+    ) -> float:
+        """Fit the head on this and recent iterations' V̂ targets, before the policy trains on them.
+
+        Root targets are the mean of the bare rollouts only; a prefix's target is its subtree mean.
+        Every process gathers the same features and runs the same fit, so the head stays replicated."""
+        if self.predictor_fit is None:
+            return math.nan
+        seen: dict[tuple[int, int], Any] = {}
+        for part in self._all_gather(features):
+            seen.update(part)
+        scaler = getattr(module.head, "scaler", None)
+        if scaler is not None:
+            roots = [seen[(t.task_id, 0)] for t in pool if (t.task_id, 0) in seen]
+            if roots:
+                scaler.update(torch.stack(roots))
+        for tree in trees:
+            entry = _replay_entry(tree, seen, self.iteration)
+            if entry is not None:
+                self.predictor_fit.add(tree.task_id, entry)
+        return self.predictor_fit.fit(module.head, self.iteration)
 
     # ------------------------------------------------------------------ engine
 
@@ -240,18 +296,13 @@ class RolloutDataModule(L.LightningDataModule):
             return self.budget
         return Budget(self.budget.leaves, self.budget.max_tokens // world)
 
-    def _shard(self, pool: list[RolloutTree], score: Any) -> Shard | None:
+    def _shard(self, estimates: np.ndarray) -> Shard | None:
         rank, world = self._world()
         if world == 1:
             return None
-        mine = list(range(rank, len(pool), world))  # scoring: round-robin, shares differ by at most one
-        local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
-        scores = np.full(len(pool), np.nan)
-        for r, values in enumerate(self._all_gather([float(v[0]) for v in local])):
-            scores[r::world] = values
         # One shared draw keeps the allocation RNG identical on every process; the rest is per process.
         seed = int(self.rng.integers(2**63))
-        return Shard(scores, rank, world, np.random.default_rng([seed, rank]))
+        return Shard(estimates, rank, world, np.random.default_rng([seed, rank]))
 
     def _gathered(self, local: Iteration, counters: RolloutCounters) -> tuple[Iteration, RolloutCounters]:
         """The iteration as a whole: every process's trees, spending and counters."""
@@ -308,6 +359,8 @@ class RolloutDataModule(L.LightningDataModule):
             "rng": self.rng.bit_generator.state,
             "torch_rng": self._sampling_rng,
             "prior": self.prior.state_dict(),
+            "selection": self.selection.state_dict(),
+            "predictor_fit": self.predictor_fit.state_dict() if self.predictor_fit is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -315,6 +368,59 @@ class RolloutDataModule(L.LightningDataModule):
         self.rng.bit_generator.state = state["rng"]
         self._sampling_rng = state["torch_rng"]
         self.prior.load_state_dict(state["prior"])
+        if "selection" in state:  # absent in checkpoints written before issue 11
+            self.selection.load_state_dict(state["selection"])
+        if self.predictor_fit is not None and state.get("predictor_fit") is not None:
+            self.predictor_fit.load_state_dict(state["predictor_fit"])
+
+
+class _RecordingScorer:
+    """The scorer the iteration runs with: the head's predictions (or the cold-start prior's), keeping
+    each scored prefix's head input, keyed (task_id, node_id), for the refit after the rollouts.
+
+    With `predictor.posterior_features` the input also carries the prompt's decayed posterior mean
+    and log(1 + decayed visits) as they were before this iteration."""
+
+    def __init__(self, module: Any, prior: BetaPrior, use_prior: bool) -> None:
+        self.module, self.prior, self.use_prior = module, prior, use_prior
+        self.extra = bool(getattr(module, "hparams", {}).get("predictor_posterior_features", False))
+        self.features: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        feats = self.module.prefix_features(trees, node_ids)
+        out = []
+        for tree, nodes, f in zip(trees, node_ids, feats, strict=True):
+            if self.extra:
+                stats = torch.tensor(
+                    [self.prior.mean([tree.task_id])[0], math.log1p(self.prior.visits([tree.task_id])[0])]
+                )
+                f = torch.cat([f, stats.float().expand(len(f), -1)], dim=1)
+            self.features.update({(tree.task_id, int(n)): row for n, row in zip(nodes, f, strict=True)})
+            prior = np.repeat(self.prior.mean([tree.task_id]), len(nodes))
+            out.append(prior if self.use_prior else self.module.head_predict(f))
+        return out
+
+
+def _replay_entry(
+    tree: RolloutTree, features: dict[tuple[int, int], Any], iteration: int
+) -> ReplayEntry | None:
+    """The tree's scored nodes as predictor targets: the root from its bare rollouts, prefixes from
+    their subtree means; weights are leaf counts."""
+    rows, targets, weights = [], [], []
+    bare = [float(tree.nodes[x].reward) for x in tree.leaves() if tree.nodes[x].stage == "bare"]  # type: ignore[arg-type]
+    if (tree.task_id, 0) in features and bare:
+        rows.append(features[(tree.task_id, 0)])
+        targets.append(float(np.mean(bare)))
+        weights.append(float(len(bare)))
+    b = backup(tree)
+    for node in tree.nodes[1:]:
+        if (tree.task_id, node.id) in features and b.leaves[node.id] > 0:
+            rows.append(features[(tree.task_id, node.id)])
+            targets.append(float(b.value[node.id]))
+            weights.append(float(b.leaves[node.id]))
+    if not rows:
+        return None
+    return ReplayEntry(iteration, torch.stack(rows), torch.tensor(targets), torch.tensor(weights))
 
 
 def _idle_batch(prompt_ids: list[int], pad_id: int) -> RolloutBatch:

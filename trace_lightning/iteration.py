@@ -87,15 +87,20 @@ def build_trees(
     run: EpisodeRunner,
     rng: np.random.Generator,
     shard: Shard | None = None,
+    root_scores: np.ndarray | None = None,
 ) -> Iteration:
     """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`.
 
-    With a `shard`, the root counts cover the whole pool (and sum to the global budget) but only the
-    owned prompts are rolled out; the returned trees and ledger are this process's part.
+    Stage 1 runs on `root_scores` [P] when given (e.g. exploration estimates, `selection.py`), else on
+    `score` at every root. With a `shard`, the root counts cover the whole pool (and sum to the global
+    budget) but only the owned prompts are rolled out; the returned trees and ledger are this
+    process's part.
     """
     ledger = BudgetLedger(budget)
     if shard is not None:
         predicted = _checked([shard.root_scores], "roots")[0]
+    elif root_scores is not None:
+        predicted = _checked([np.asarray(root_scores, dtype=np.float64)], "roots")[0]
     else:
         predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
     counts = allocator.allocate_roots(predicted, budget, rng)

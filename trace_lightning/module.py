@@ -45,6 +45,8 @@ class TraceModule(L.LightningModule):
         kl_kind: KLKind = "k3",
         score_batch_size: int = 16,
         predictor_backbone: str | None = None,
+        predictor_standardize: bool = False,
+        predictor_posterior_features: bool = False,
         temperature: float = 1.0,
     ) -> None:
         super().__init__()
@@ -54,6 +56,11 @@ class TraceModule(L.LightningModule):
             raise ValueError(f"module.predictor_weighting={predictor_weighting!r}: use 'leaves' or 'uniform'")
         if kl_coef < 0:
             raise ValueError(f"module.kl_coef={kl_coef} must be >= 0")
+        if predictor_posterior_features and predictor_coef > 0:
+            raise ValueError(
+                "predictor.posterior_features=true feeds prompt statistics only the refit knows; set "
+                "predictor.coef=0 (train the head by predictor.refit_steps) or posterior_features=false"
+            )
         self.save_hyperparameters(ignore=["optimizer", "scheduler", "adapter"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -67,7 +74,12 @@ class TraceModule(L.LightningModule):
         # policy's tokenizer, since it reads the very same token ids.
         self.companion = None if predictor_backbone is None else self._load_companion(predictor_backbone)
         backbone = self.companion if self.companion is not None else self.policy
-        self.head = SuccessHead(backbone.config.hidden_size, predictor_width)
+        self.head = SuccessHead(
+            backbone.config.hidden_size,
+            predictor_width,
+            extra=POSTERIOR_FEATURES if predictor_posterior_features else 0,
+            standardize=predictor_standardize,
+        )
 
     def _load_companion(self, path: str) -> torch.nn.Module:
         companion = self._load_policy(path, None).requires_grad_(False).eval()
@@ -162,15 +174,30 @@ class TraceModule(L.LightningModule):
     def predict_success(
         self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
     ) -> list[np.ndarray]:
-        """Ṽ_ψ at the requested prefixes. Prefixes on the same rollout share one forward pass over it
-        (causal attention: the state at the end of H_t has seen exactly H_t)."""
+        """Ṽ_ψ at the requested prefixes (the head on `prefix_features`)."""
+        return [self.head_predict(f) for f in self.prefix_features(trees, node_ids)]
+
+    @torch.no_grad()
+    def head_predict(self, features: torch.Tensor) -> np.ndarray:
+        """P(success) [K] from head inputs [K, F]."""
+        if len(features) == 0:
+            return np.zeros(0, dtype=np.float64)
+        return torch.sigmoid(self.head(features.to(self.device))).double().cpu().numpy()
+
+    @torch.no_grad()
+    def prefix_features(
+        self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """The hidden state at the last token of each requested prefix, one [n_i, H] tensor per tree.
+        Prefixes on the same rollout share one forward pass over it (causal attention: the state at
+        the end of H_t has seen exactly H_t)."""
         reads: dict[tuple[int, int], list[int]] = {}  # (tree, node whose path is run) -> prefixes read on it
         for ti, (tree, nodes) in enumerate(zip(trees, node_ids, strict=True)):
             owner = tree.owner_leaf()
             for n in nodes:
                 reads.setdefault((ti, int(owner[n]) if owner[n] >= 0 else n), []).append(n)
         jobs = [(ti, src, prefixes) for (ti, src), prefixes in reads.items()]
-        score: dict[tuple[int, int], float] = {}
+        found: dict[tuple[int, int], torch.Tensor] = {}
         bs = self.hparams["score_batch_size"]
         for start in range(0, len(jobs), bs):
             chunk = jobs[start : start + bs]
@@ -178,18 +205,26 @@ class TraceModule(L.LightningModule):
             rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
             cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
             hidden, offset = self._scoring_hidden(seqs, min(cols))
-            logits = self.head(
+            picked = (
                 gather_positions(
                     hidden,
                     torch.tensor(rows, device=self.device),
                     torch.tensor(cols, device=self.device) - offset,
                 )
-            )
+                .float()
+                .cpu()
+            )  # [K, H]
             keys = [(ti, n) for ti, _, prefixes in chunk for n in prefixes]
-            score.update(zip(keys, torch.sigmoid(logits).tolist(), strict=True))
+            found.update(zip(keys, picked, strict=True))
+        width = self.head_input_size()
         return [
-            np.array([score[(ti, n)] for n in nodes], dtype=np.float64) for ti, nodes in enumerate(node_ids)
+            torch.stack([found[(ti, n)] for n in nodes]) if len(nodes) else torch.zeros(0, width)
+            for ti, nodes in enumerate(node_ids)
         ]
+
+    def head_input_size(self) -> int:
+        backbone = self.companion if self.companion is not None else self.policy
+        return int(backbone.config.hidden_size)
 
     # ------------------------------------------------------------------ training
 
@@ -223,7 +258,7 @@ class TraceModule(L.LightningModule):
             )
             loss = loss + hp["kl_coef"] * kl
             metrics["train/kl"] = kl.detach()
-        if batch.pred_targets.numel():
+        if batch.pred_targets.numel() and hp["predictor_coef"] > 0:
             hidden = self._predictor_hidden(batch.input_ids, batch.attention_mask, hidden)
             pred = torch.sigmoid(self.head(gather_positions(hidden, batch.pred_rows, batch.pred_cols)))
             weights = batch.pred_weights if hp["predictor_weighting"] == "leaves" else None
@@ -274,10 +309,9 @@ class TraceModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        groups = [
-            {"params": policy_params},
-            {"params": list(self.head.parameters()), "lr": self.hparams["predictor_lr"]},
-        ]
+        groups: list[dict[str, Any]] = [{"params": policy_params}]
+        if self.hparams["predictor_coef"] > 0:  # else the head trains only in its own refit (data.py)
+            groups.append({"params": list(self.head.parameters()), "lr": self.hparams["predictor_lr"]})
         optimizer = self.optimizer_factory(groups)
         if self.scheduler_factory is None:
             return optimizer
@@ -287,6 +321,7 @@ class TraceModule(L.LightningModule):
         }
 
 
+POSTERIOR_FEATURES = 2  # the prompt's decayed posterior mean and log(1 + decayed visits), see data.py
 MIN_SHARED_PREFIX = 16  # below this, one plain forward pass is cheaper than the cache bookkeeping
 
 

@@ -9,25 +9,171 @@ gradient into the policy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import nn
 
+from trace_lightning.losses import predictor_mse
+
 
 class SuccessHead(nn.Module):
-    """hidden state [K, H] -> logit of P(success | prefix) [K]."""
+    """features [K, F] -> logit of P(success | prefix) [K].
 
-    def __init__(self, hidden_size: int, width: int = 256) -> None:
+    The features are the hidden state at the prefix's last token, optionally followed by
+    `extra` prompt statistics (see `data.py`). With `standardize`, a `FeatureScaler` fitted across
+    prompts comes first; otherwise a LayerNorm (the original head).
+    """
+
+    def __init__(self, hidden_size: int, width: int = 256, extra: int = 0, standardize: bool = False) -> None:
         super().__init__()
         if width < 1:
             raise ValueError(f"predictor.width={width} must be >= 1")
+        size = hidden_size + extra
+        self.scaler = FeatureScaler(size) if standardize else None
         self.net = nn.Sequential(
-            nn.LayerNorm(hidden_size), nn.Linear(hidden_size, width), nn.GELU(), nn.Linear(width, 1)
+            nn.Identity() if standardize else nn.LayerNorm(size),
+            nn.Linear(size, width),
+            nn.GELU(),
+            nn.Linear(width, 1),
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.net(hidden.detach().float()).squeeze(-1)  # [K]
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = features.detach().float()
+        return self.net(self.scaler(x) if self.scaler is not None else x).squeeze(-1)  # [K]
 
 
 def gather_positions(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, H] at (rows[k], cols[k]) -> [K, H]."""
     return hidden[rows, cols]
+
+
+# --------------------------------------------------------------------------- online refit (issue 11)
+
+
+class FeatureScaler(nn.Module):
+    """Per-feature standardisation across prompts, with running (exponential) mean and variance.
+
+    After a warm start the prompts' last hidden states can be nearly identical (mean pairwise cosine
+    0.9993 measured at 85f38aa), so what tells prompts apart is a tiny deviation from their common
+    direction. LayerNorm normalises each vector on its own and keeps that common direction; this
+    removes it, so the head sees the differences at unit scale. Buffers, so they are checkpointed
+    with the module.
+    """
+
+    def __init__(self, size: int, momentum: float = 0.1, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.register_buffer("mean", torch.zeros(size))
+        self.register_buffer("var", torch.ones(size))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Fold a batch [N, F] of inputs (e.g. one iteration's candidate prompts) into the statistics."""
+        if len(x) < 2:
+            return
+        mean, var = x.float().mean(0), x.float().var(0)
+        if int(self.seen) == 0:  # the first batch sets them; later ones move them by `momentum`
+            self.mean.copy_(mean)
+            self.var.copy_(var)
+        else:
+            self.mean.lerp_(mean, self.momentum)
+            self.var.lerp_(var, self.momentum)
+        self.seen += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() - self.mean) / torch.sqrt(self.var + self.eps)
+
+
+@dataclass
+class ReplayEntry:
+    """One prompt's latest predictor targets: inputs [K, F], V̂ targets [K] and leaf-count weights [K]."""
+
+    iteration: int
+    features: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass
+class PredictorFit:
+    """Head-only refit of Ṽ_ψ after each iteration's trees are built, before the policy trains on them
+    (TRACE_SPEC "updated online every iteration, before the policy step").
+
+    The replay holds, per prompt, the targets of the latest iteration it was rolled out in (a later
+    visit replaces them), and a fit uses the prompts seen within the last `window` iterations. `steps`
+    minibatch steps of weighted MSE run with the head's own AdamW, whose state is checkpointed here.
+    `steps = 0` disables the refit (the head then learns only from the joint loss, `predictor.coef`).
+    """
+
+    steps: int = 50
+    window: int = 8
+    batch_size: int = 256
+    lr: float = 1e-3
+    seed: int = 0
+    replay: dict[int, ReplayEntry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.window < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(
+                f"predictor.refit_steps={self.steps} (>= 0), predictor.replay_window={self.window} "
+                f"(>= 1), predictor.refit_batch={self.batch_size} (>= 1) and predictor.lr={self.lr} (> 0): "
+                "one is out of range"
+            )
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def add(self, task_id: int, entry: ReplayEntry) -> None:
+        self.replay[task_id] = entry
+
+    def training_set(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs [N, F], targets [N] and weights [N] of the prompts seen in the last `window` iterations."""
+        kept = [e for e in self.replay.values() if e.iteration > iteration - self.window]
+        self.replay = {t: e for t, e in self.replay.items() if e.iteration > iteration - self.window}
+        if not kept:
+            return torch.zeros(0, 0), torch.zeros(0), torch.zeros(0)
+        return tuple(torch.cat([getattr(e, k) for e in kept]) for k in ("features", "targets", "weights"))  # type: ignore[return-value]
+
+    def fit(self, head: nn.Module, iteration: int) -> float:
+        """`steps` head-only steps on the replay; the mean training loss of the last step (NaN: no data)."""
+        x, y, w = self.training_set(iteration)
+        if self.steps == 0 or len(y) == 0:
+            return float("nan")
+        optimizer = self._optimizer_for(head)
+        device = next(head.parameters()).device
+        x, y, w = x.to(device), y.to(device), w.to(device)
+        loss = torch.zeros(())
+        with torch.enable_grad():
+            for _ in range(self.steps):
+                rows = torch.randint(len(y), (min(self.batch_size, len(y)),), generator=self._generator)
+                loss = predictor_mse(torch.sigmoid(head(x[rows])), y[rows], w[rows])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        return float(loss.detach())
+
+    def _optimizer_for(self, head: nn.Module) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(head.parameters(), lr=self.lr)
+            if self._pending_optimizer_state is not None:
+                self._optimizer.load_state_dict(self._pending_optimizer_state)
+        return self._optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain containers of tensors and numbers only (checkpoints load with weights_only=True)."""
+        optimizer = (
+            self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
+        )
+        return {
+            "replay": {str(t): vars(e) for t, e in self.replay.items()},
+            "optimizer": optimizer,
+            "generator": self._generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.replay = {int(t): ReplayEntry(**e) for t, e in state["replay"].items()}
+        self._pending_optimizer_state, self._optimizer = state["optimizer"], None
+        self._generator.set_state(state["generator"])

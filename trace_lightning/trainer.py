@@ -23,6 +23,8 @@ from trace_lightning.checkpoints import AtomicCheckpointIO, newest_valid_checkpo
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
+from trace_lightning.predictor import PredictorFit
+from trace_lightning.selection import Selection
 
 config.register()
 
@@ -45,6 +47,8 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor_coef=p.coef,
         predictor_weighting=p.weighting,
         predictor_backbone=p.backbone,
+        predictor_standardize=p.standardize,
+        predictor_posterior_features=p.posterior_features,
         temperature=cfg.sampling.temperature,
         **OmegaConf.to_container(loss),  # type: ignore[arg-type]
     )
@@ -57,6 +61,10 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         max_tokens=cfg.budget.max_tokens,
         estimator=cfg.advantage.estimator,
         cold_start=BetaPrior(**OmegaConf.to_container(cfg.cold_start)),  # type: ignore[arg-type]
+        selection=Selection(**OmegaConf.to_container(cfg.selection)),  # type: ignore[arg-type]
+        predictor_fit=PredictorFit(p.refit_steps, p.replay_window, p.refit_batch, p.lr, cfg.seed)
+        if p.refit_steps > 0
+        else None,
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )

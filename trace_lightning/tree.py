@@ -20,6 +20,8 @@ import numpy as np
 
 Stage = Literal["root", "bare", "expand"]
 
+SUCCESS = 0.5  # the reward at or above which a leaf counts as a success (the one place it is set)
+
 
 @dataclass
 class Node:
@@ -162,7 +164,7 @@ class Backup:
     mixed: np.ndarray
 
 
-def backup(tree: RolloutTree, success_threshold: float = 0.5) -> Backup:
+def backup(tree: RolloutTree, success_threshold: float = SUCCESS) -> Backup:
     """Bottom-up sums over the tree in one reverse pass (children always have larger ids)."""
     n = len(tree.nodes)
     reward_sum = np.zeros(n)
@@ -203,7 +205,7 @@ class TreeStats:
     prefix_contrastive_pairs: int
 
 
-def tree_stats(tree: RolloutTree, success_threshold: float = 0.5) -> TreeStats:
+def tree_stats(tree: RolloutTree, success_threshold: float = SUCCESS) -> TreeStats:
     b = backup(tree, success_threshold)
     depths = np.array([n.depth for n in tree.nodes])
     internal = [len(n.children) for n in tree.nodes if n.children]
@@ -246,7 +248,7 @@ class PredictorTargets:
     leaf_counts: np.ndarray  # [K]
 
 
-def predictor_targets(tree: RolloutTree, success_threshold: float = 0.5) -> PredictorTargets:
+def predictor_targets(tree: RolloutTree, success_threshold: float = SUCCESS) -> PredictorTargets:
     b = backup(tree, success_threshold)
     ids = np.array([n.id for n in tree.nodes if n.reward is None and b.leaves[n.id] > 0], dtype=np.int64)
     return PredictorTargets(node_ids=ids, values=b.value[ids], leaf_counts=b.leaves[ids])

@@ -1,0 +1,132 @@
+"""The success predictor's online refit (issue 11): input standardisation, replay, head-only steps."""
+
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+from test_training import make_data, make_module
+
+from trace_lightning import allocation as alloc
+from trace_lightning.callbacks import calibration_metrics
+from trace_lightning.predictor import FeatureScaler, PredictorFit, ReplayEntry, SuccessHead
+from trace_lightning.selection import Selection
+
+
+def near_identical_prompts(n=64, size=32, seed=0):
+    """Features that share one big direction and differ by ~1e-3 of their norm, as the policy's final
+    states did after the warm start; the target success depends only on the small part."""
+    g = torch.Generator().manual_seed(seed)
+    common = 10 * torch.randn(size, generator=g)
+    signal = torch.randn(n, generator=g)
+    direction = torch.nn.functional.normalize(torch.randn(size, generator=g), dim=0)
+    x = common + 1e-2 * signal[:, None] * direction + 1e-3 * torch.randn(n, size, generator=g)
+    return x, torch.sigmoid(2 * signal)
+
+
+def test_scaler_standardises_across_prompts():
+    x, _ = near_identical_prompts()
+    scaler = FeatureScaler(x.shape[1])
+    scaler.update(x)
+    z = scaler(x)
+    assert z.mean(0).abs().max() < 1e-3
+    assert torch.allclose(z.var(0), torch.ones(x.shape[1]), atol=1e-3)
+
+
+def test_standardised_head_ranks_near_identical_prompts():
+    x, y = near_identical_prompts()
+    torch.manual_seed(0)
+    head = SuccessHead(x.shape[1], width=32, standardize=True)
+    head.scaler.update(x)
+    fit = PredictorFit(steps=300, window=4, batch_size=64, lr=1e-2)
+    fit.add(0, ReplayEntry(0, x, y, torch.ones(len(y))))
+    fit.fit(head, 0)
+    with torch.no_grad():
+        pred = torch.sigmoid(head(x))
+    assert np.corrcoef(pred.numpy(), y.numpy())[0, 1] > 0.9
+
+
+def entry(iteration, value):
+    return ReplayEntry(iteration, torch.full((1, 3), float(value)), torch.tensor([value]), torch.ones(1))
+
+
+def test_replay_keeps_the_latest_targets_per_prompt_within_the_window():
+    fit = PredictorFit(window=2)
+    fit.add(1, entry(0, 0.0))
+    fit.add(1, entry(2, 1.0))  # a later visit of prompt 1 replaces its targets
+    fit.add(2, entry(1, 0.5))
+    x, y, w = fit.training_set(2)
+    assert sorted(y.tolist()) == [0.5, 1.0]
+    x, y, w = fit.training_set(3)  # prompt 2's iteration 1 has left the window of 2
+    assert y.tolist() == [1.0]
+
+
+def test_refit_state_round_trip_continues_identically():
+    x, y = near_identical_prompts(16, 8)
+    torch.manual_seed(0)
+    head = SuccessHead(8, width=8, standardize=True)
+    a = PredictorFit(steps=5, batch_size=4, lr=1e-2, seed=3)
+    a.add(0, ReplayEntry(0, x, y, torch.ones(len(y))))
+    a.fit(head, 0)
+    saved_head, saved = copy.deepcopy(head), copy.deepcopy(a.state_dict())
+    a.fit(head, 0)
+    b = PredictorFit(steps=5, batch_size=4, lr=1e-2, seed=99)
+    b.load_state_dict(saved)
+    b.fit(saved_head, 0)
+    for p, q in zip(head.parameters(), saved_head.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_bad_refit_values_name_their_key():
+    with pytest.raises(ValueError, match="predictor.refit_steps"):
+        PredictorFit(steps=-1)
+
+
+def test_iteration_refits_the_head_before_training_and_reports_quality(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_standardize=True)
+    data = make_data(
+        predictor_fit=PredictorFit(steps=5, batch_size=16),
+        selection=Selection(gate_auroc=0.6),
+        cold_start=alloc.BetaPrior(warmup=1),
+    )
+    before = copy.deepcopy(module.head.state_dict())
+    data.build_iteration(module)
+    assert int(module.head.scaler.seen) == 1  # the pool's root features set the statistics
+    moved = [not torch.equal(before[k], v) for k, v in module.head.state_dict().items() if "net" in k]
+    assert any(moved), "the head must change in the refit, with no policy step"
+    report = data.report
+    assert np.isfinite(report.refit_loss)
+    assert set(data.predictor_fit.replay) == {t.task_id for t in report.result.trees}
+    roots = {t.task_id: t for t in report.result.trees}
+    for task_id, e in data.predictor_fit.replay.items():  # row 0 is the root: bare rollouts only
+        bare = [
+            roots[task_id].nodes[x].reward
+            for x in roots[task_id].leaves()
+            if roots[task_id].nodes[x].stage == "bare"
+        ]
+        assert e.targets[0].item() == pytest.approx(np.mean(bare))
+    metrics = calibration_metrics(report)
+    assert metrics["predictor/gate"] == 0.0  # no evidence yet: the gate starts closed
+    assert "predictor/pool_spread" in metrics and "predictor/refit_loss" in metrics
+
+
+def test_head_is_left_out_of_the_policy_optimizer_when_only_the_refit_trains_it(tiny_model_dir):
+    module = make_module(tiny_model_dir, predictor_coef=0.0)
+    params = {id(p) for g in module.configure_optimizers().param_groups for p in g["params"]}
+    assert not any(id(p) in params for p in module.head.parameters())
+    joint = make_module(tiny_model_dir, predictor_coef=1.0)
+    params = {id(p) for g in joint.configure_optimizers().param_groups for p in g["params"]}
+    assert all(id(p) in params for p in joint.head.parameters())
+
+
+def test_posterior_features_reach_the_head(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_posterior_features=True)
+    data = make_data(predictor_fit=PredictorFit(steps=2), cold_start=alloc.BetaPrior(warmup=0))
+    data.build_iteration(module)
+    width = module.head_input_size() + 2
+    assert all(e.features.shape[1] == width for e in data.predictor_fit.replay.values())
+    with pytest.raises(ValueError, match="predictor.coef"):
+        functools.partial(make_module, tiny_model_dir)(predictor_coef=1.0, predictor_posterior_features=True)

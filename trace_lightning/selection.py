@@ -1,0 +1,191 @@
+"""Which prompts Stage 1 sees, and with what success estimates: exploration and calibration around the
+exact V_root program (TRACE_SPEC "Stage 1 in practice"; each option is our choice, off by default and
+ablated in benchmarks/learning.py).
+
+A deterministic argmax over a flat or miscalibrated predictor ranks prompts by noise, keeps picking the
+same few and only ever gets labels for what it picked (measured at 85f38aa: below GRPO). The options:
+
+* `epoch_pools`: candidate pools are drawn from a shuffled pass over all tasks, so every task is a
+  candidate once per pass before any task is a candidate again;
+* `max_visits` within `visit_window` iterations: a prompt that trained that often lately is not a
+  candidate (the pool is filled with others while enough remain);
+* a calibration gate (`gate_auroc`): the predictor steers only while its out-of-sample AUROC for
+  "this prompt's bare rollouts were mixed" over the last `gate_window` iterations is at least the
+  threshold; otherwise every candidate gets v = 0.5, which makes Stage 1 uniform (groups of
+  `min_group` over a random pool);
+* `thompson`: the program runs on a sample v_i ~ Beta(a_i, b_i) of each candidate's success rate,
+  where the per-prompt decayed Beta counts (`BetaPrior`) are combined with the predictor's estimate
+  p_i worth `predictor_strength` pseudo-observations (only while the gate is open):
+      a_i = alpha + s_i + k * p_i,   b_i = beta + f_i + k * (1 - p_i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from trace_lightning.allocation import BetaPrior
+from trace_lightning.tree import SUCCESS, RolloutTree
+
+
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """P(score of a random positive > score of a random negative), ties counted half; NaN unless both
+    classes occur (torchmetrics' AUROC is undefined there).
+
+    Example: scores [0.1, 0.4, 0.35, 0.8], labels [0, 0, 1, 1] -> 3 of 4 pairs ordered = 0.75.
+    """
+    labels = np.asarray(labels) > 0
+    if labels.all() or not labels.any():
+        return float("nan")
+    return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
+
+
+def bare_outcomes(tree: RolloutTree) -> np.ndarray:
+    """Success (0/1) of each bare rollout of a tree: unbiased draws of V(prompt)."""
+    return np.array(
+        [tree.nodes[x].reward >= SUCCESS for x in tree.leaves() if tree.nodes[x].stage == "bare"],  # type: ignore[operator]
+        dtype=np.float64,
+    )
+
+
+@dataclass(frozen=True)
+class RootQuality:
+    """How well the raw root predictions of one iteration matched its bare rollouts (out of sample: the
+    predictions were made before these outcomes were seen)."""
+
+    pool_spread: float  # std of the predictions over the candidate pool
+    auroc_mixed: float  # AUROC of p(1 - p) for "the prompt's bare rollouts were mixed" (NaN: one class)
+    gate_open: bool  # whether the predictor steered this iteration's Stage 1
+    gate_auroc: float  # the windowed AUROC the gate decided on (NaN before enough samples)
+
+
+@dataclass
+class Selection:
+    thompson: bool = False
+    predictor_strength: float = 8.0
+    gate_auroc: float | None = None
+    gate_window: int = 4
+    gate_min_samples: int = 8
+    epoch_pools: bool = False
+    max_visits: int | None = None
+    visit_window: int = 8
+    visits: dict[int, list[int]] = field(default_factory=dict)  # task_id -> iterations it trained in
+    history: list[tuple[int, list[float], list[float]]] = field(default_factory=list)  # (it, p(1-p), mixed)
+    order: list[int] = field(default_factory=list)  # epoch_pools: the current pass, not yet drawn
+
+    def __post_init__(self) -> None:
+        if self.predictor_strength < 0 or self.gate_window < 1 or self.visit_window < 1:
+            raise ValueError(
+                f"selection.predictor_strength={self.predictor_strength} must be >= 0, selection."
+                f"gate_window={self.gate_window} and selection.visit_window={self.visit_window} >= 1"
+            )
+        if self.gate_auroc is not None and not 0.0 <= self.gate_auroc <= 1.0:
+            raise ValueError(f"selection.gate_auroc={self.gate_auroc} must be in [0, 1], or null for no gate")
+        if self.max_visits is not None and self.max_visits < 1:
+            raise ValueError(f"selection.max_visits={self.max_visits} must be >= 1, or null for no cap")
+
+    # ------------------------------------------------------------------ candidate pool
+
+    def draw_pool(
+        self, task_ids: Sequence[int], size: int, iteration: int, rng: np.random.Generator
+    ) -> list[int]:
+        """`size` distinct candidate task ids for this iteration."""
+        if size > len(task_ids):
+            raise ValueError(
+                f"data.pool_size={size} exceeds the {len(task_ids)} tasks of the environment; lower "
+                "data.pool_size or use an env with more tasks"
+            )
+        if not self.epoch_pools and self.max_visits is None:  # the plain draw (kept bit-for-bit)
+            return [int(task_ids[i]) for i in rng.choice(len(task_ids), size=size, replace=False)]
+        capped = self._capped(iteration)
+        if not self.epoch_pools:
+            eligible = [t for t in task_ids if t not in capped]
+            if len(eligible) < size:
+                eligible = list(task_ids)
+            return [int(eligible[i]) for i in rng.choice(len(eligible), size=size, replace=False)]
+        pool: list[int] = []
+        for _ in range(2):  # the rest of this pass, then (if short) a fresh pass
+            if not self.order:
+                self.order = [int(task_ids[i]) for i in rng.permutation(len(task_ids))]
+            take = [t for t in self.order if t not in capped and t not in pool][: size - len(pool)]
+            self.order = [t for t in self.order if t not in take]
+            pool += take
+            if len(pool) == size:
+                return pool
+        fill = [int(t) for t in task_ids if t not in pool]  # too many capped: fill the pool anyway
+        return pool + [fill[i] for i in rng.choice(len(fill), size=size - len(pool), replace=False)]
+
+    def _capped(self, iteration: int) -> set[int]:
+        if self.max_visits is None:
+            return set()
+        recent = {t: sum(i > iteration - self.visit_window for i in its) for t, its in self.visits.items()}
+        return {t for t, n in recent.items() if n >= self.max_visits}
+
+    # ------------------------------------------------------------------ estimates
+
+    def gate(self) -> tuple[bool, float]:
+        """(predictions may steer, the windowed AUROC behind that decision)."""
+        scores = np.array([s for _, ss, _ in self.history for s in ss])
+        mixed = np.array([m for _, _, ms in self.history for m in ms])
+        value = auroc(scores, mixed) if len(mixed) >= self.gate_min_samples else float("nan")
+        if self.gate_auroc is None:
+            return True, value
+        return bool(np.isfinite(value) and value >= self.gate_auroc), value
+
+    def estimates(
+        self, predicted: np.ndarray, task_ids: Sequence[int], prior: BetaPrior, rng: np.random.Generator
+    ) -> np.ndarray:
+        """The success estimates Stage 1 optimises over [P], from the raw predictions [P]."""
+        steer, _ = self.gate()
+        if not self.thompson:
+            return predicted if steer else np.full(len(predicted), 0.5)
+        s, f = prior.successes_failures(task_ids)
+        k = self.predictor_strength if steer else 0.0
+        return rng.beta(prior.alpha + s + k * predicted, prior.beta + f + k * (1.0 - predicted))
+
+    # ------------------------------------------------------------------ after the rollouts
+
+    def observe(
+        self, iteration: int, trees: Sequence[RolloutTree], pool_predicted: np.ndarray
+    ) -> RootQuality:
+        """Record visits and the gate's evidence; how the raw root predictions fared (out of sample)."""
+        steer, gate_value = self.gate()
+        scores, mixed = [], []
+        for tree in trees:
+            self.visits.setdefault(tree.task_id, []).append(iteration)
+            outcomes, p = bare_outcomes(tree), float(tree.root.predicted)  # type: ignore[arg-type]
+            if len(outcomes) >= 2:
+                scores.append(p * (1.0 - p))
+                mixed.append(float(0 < outcomes.sum() < len(outcomes)))
+        self.history = [h for h in self.history if h[0] > iteration - self.gate_window] + [
+            (iteration, scores, mixed)
+        ]
+        self.visits = {
+            t: [i for i in its if i > iteration - self.visit_window] for t, its in self.visits.items()
+        }
+        self.visits = {t: its for t, its in self.visits.items() if its}
+        return RootQuality(
+            pool_spread=float(np.std(pool_predicted)) if len(pool_predicted) else float("nan"),
+            auroc_mixed=auroc(np.array(scores), np.array(mixed)),
+            gate_open=steer,
+            gate_auroc=gate_value,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "visits": {str(t): list(v) for t, v in self.visits.items()},
+            "history": [[i, list(s), list(m)] for i, s, m in self.history],
+            "order": list(self.order),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
+        self.history = [
+            (int(i), [float(x) for x in s], [float(x) for x in m]) for i, s, m in state["history"]
+        ]
+        self.order = [int(t) for t in state["order"]]
