@@ -24,13 +24,15 @@ import torch
 from trace_lightning import allocation as alloc
 from trace_lightning.envs.synthetic import ChainSimulator, ChainTask, make_tasks, oracle_scores, state_of
 from trace_lightning.iteration import build_trees
-from trace_lightning.losses import predictor_mse
+from trace_lightning.predictor import PredictorFit, ReplayEntry
+from trace_lightning.selection import bare_outcomes
 from trace_lightning.tree import RolloutTree, predictor_targets, tree_stats
 
 PREDICTORS = ("oracle", "noisy", "learned")
 
 
 def allocators(expansion: int) -> list[alloc.TreeAllocator]:
+    counting = alloc.trace(expansion=expansion, count_continuations=True)
     return [
         alloc.uniform(group_size=4),
         alloc.pcl(group_size=4),
@@ -38,24 +40,29 @@ def allocators(expansion: int) -> list[alloc.TreeAllocator]:
         alloc.trace_root_only(expansion=expansion),
         alloc.trace_prefix_only(group_size=2, expansion=expansion),
         alloc.trace(expansion=expansion),
+        # Stage 1 scored by V_root over each prompt's m (1 + N) leaves (issue 11's breadth question)
+        alloc.TreeAllocator("trace_count_cont", counting.roots, counting.prefixes, expansion),
     ]
 
 
 class LearnedPredictor:
     """A two-layer MLP on what an agent could observe: task features, turn, mistakes so far.
 
-    Trained online after every iteration on the V̂ targets of that iteration's trees (plus a short
-    replay of earlier ones), weighted by leaf count; a Beta prior stands in before the first fit.
+    Refitted after every iteration with the trainer's own schedule (`PredictorFit`): head-only steps on
+    the V̂ targets of the prompts seen in the last `window` iterations (the latest targets of a prompt
+    win; its root target from bare rollouts only), weighted by leaf count. A Beta prior stands in
+    before the first fit.
     """
 
-    def __init__(self, tasks: dict[int, ChainTask], seed: int, replay: int = 30, steps: int = 200) -> None:
+    def __init__(self, tasks: dict[int, ChainTask], seed: int, window: int = 30, steps: int = 200) -> None:
         torch.manual_seed(seed)
         n_in = len(next(iter(tasks.values())).features) + 4
-        self.net = torch.nn.Sequential(torch.nn.Linear(n_in, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-2)
-        self.tasks, self.replay, self.steps = tasks, replay, steps
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(n_in, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1), torch.nn.Flatten(0)
+        )  # [K, F] -> logits [K]
+        self.refit = PredictorFit(steps=steps, window=window, batch_size=256, lr=1e-2, seed=seed)
+        self.tasks = tasks
         self.prior = alloc.BetaPrior(warmup=1)
-        self.buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.iteration = 0
 
     def _features(self, tree: RolloutTree, nodes: list[int]) -> torch.Tensor:
@@ -75,28 +82,28 @@ class LearnedPredictor:
             ]
         with torch.no_grad():
             return [
-                torch.sigmoid(self.net(self._features(t, list(n)))).squeeze(-1).numpy()
+                torch.sigmoid(self.net(self._features(t, list(n)))).numpy()
                 for t, n in zip(trees, node_ids, strict=True)
             ]
 
     def fit(self, trees: list[RolloutTree]) -> None:
-        feats, targets, weights = [], [], []
         for tree in trees:
             tg = predictor_targets(tree)
-            feats.append(self._features(tree, tg.node_ids.tolist()))
-            targets.append(torch.tensor(tg.values, dtype=torch.float32))
-            weights.append(torch.tensor(tg.leaf_counts, dtype=torch.float32))
-            s = int((np.array([tree.nodes[i].reward for i in tree.leaves()]) >= 0.5).sum())
-            self.prior.update(tree.task_id, s, len(tree.leaves()) - s)
-        self.buffer = [*self.buffer, (torch.cat(feats), torch.cat(targets), torch.cat(weights))][
-            -self.replay :
-        ]
-        x, y, w = (torch.cat(parts) for parts in zip(*self.buffer, strict=True))
-        for _ in range(self.steps):
-            idx = torch.randint(len(y), (min(256, len(y)),))  # a minibatch per step
-            self.opt.zero_grad()
-            predictor_mse(torch.sigmoid(self.net(x[idx])).squeeze(-1), y[idx], w[idx]).backward()
-            self.opt.step()
+            bare = bare_outcomes(tree)
+            values, counts = tg.values.copy(), tg.leaf_counts.astype(np.float64)
+            root = tg.node_ids == 0
+            values[root], counts[root] = bare.mean(), len(bare)  # the root learns from bare rollouts only
+            self.refit.add(
+                tree.task_id,
+                ReplayEntry(
+                    self.iteration,
+                    self._features(tree, tg.node_ids.tolist()),
+                    torch.tensor(values, dtype=torch.float32),
+                    torch.tensor(counts, dtype=torch.float32),
+                ),
+            )
+            self.prior.update(tree.task_id, float(bare.sum()), float(len(bare) - bare.sum()))
+        self.refit.fit(self.net, self.iteration)
         self.iteration += 1
 
 
@@ -130,6 +137,7 @@ class Row:
     contrastive_pairs_per_leaf: float
     prefix_pairs_per_leaf: float
     prompts_per_iter: float
+    mixed_prompts_per_iter: float
     leaves_per_iter: float
     tokens_per_iter: float
     ratio_to_uniform: float = float("nan")
@@ -156,6 +164,7 @@ def run_one(
                 "contrastive_pairs_per_leaf": sum(s.contrastive_pairs for s in stats) / leaves,
                 "prefix_pairs_per_leaf": sum(s.prefix_contrastive_pairs for s in stats) / leaves,
                 "prompts_per_iter": len(it.trees),
+                "mixed_prompts_per_iter": sum(s.mixed for s in stats),
                 "leaves_per_iter": leaves,
                 "tokens_per_iter": it.ledger.tokens_used,
             }
@@ -218,6 +227,7 @@ COLUMNS = [  # (header, Row field, format)
     ("prefix mix/100", "prefix_mixed_per_100", "14.1f"),
     ("pairs/leaf", "contrastive_pairs_per_leaf", "10.2f"),
     ("prompts", "prompts_per_iter", "7.1f"),
+    ("mixed prompts", "mixed_prompts_per_iter", "13.1f"),
     ("tokens", "tokens_per_iter", "7.0f"),
 ]
 
