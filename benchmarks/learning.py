@@ -1,37 +1,42 @@
-"""Learning benchmark: a tiny Qwen3 policy trained with RL on the synthetic chain task (`env=chain`), every
-allocator at the same leaf budget per iteration, 3 seeds; success measured by a fixed evaluation.
+"""Learning benchmark (issue 11): does TRACE learn more per sampled trajectory than GRPO?
 
-    python benchmarks/learning.py            # the full run reported in BENCHMARKS.md
-    python benchmarks/learning.py --quick    # the test suite's smoke run (tests/test_bench_learning.py)
+    python benchmarks/learning.py             # the full run reported in BENCHMARKS.md
+    python benchmarks/learning.py --quick     # the test suite's smoke run (tests/test_bench_learning.py)
+    python benchmarks/learning.py --from-json benchmarks/results/learning.json   # reprint, redraw
 
-Per seed:
-1. Task: `ChainEnv(n_tasks, turns, n_choices, seed)`: a key -> letter table; the policy answers
-   `<choose>letter</choose>` once per key; tasks allow 0 or 1 mistakes.
-2. Warm start (supervised, NOT reinforcement learning): a randomly initialised tiny model never writes
-   the action format by itself, so RL from scratch has no signal. A scripted teacher reads the table
-   and answers each key right with probability `--teacher-acc` (else a wrong letter); the model is
-   fitted to `--demos` such episodes per task until its evaluation success reaches `--sft-target` (or
-   after `--sft-steps` steps). This gives a policy that knows the format and is partly competent, so
-   success spreads across tasks and RL has room to improve. All methods of a seed start from it.
-3. RL, per method: a fresh `TraceModule` with the warm-start weights, `RolloutDataModule.build_iteration`
-   (the trainer's own rollout + allocation path) and `TraceModule.training_step` with the module's own
-   optimizer, one step per micro-batch, as a Lightning epoch with accumulate_grad_batches=1 runs it.
-   Every method spends exactly `--leaves` leaves per iteration (asserted).
-4. Evaluation every `--eval-every` iterations: sampled success over ALL tasks, `--eval-samples` episodes
-   each, at the training temperature, with a fixed torch seed (a fixed task set, not the training
-   reward). Its tokens are not part of any budget.
+Seeds vary the RL randomness (pools, sampling, predictor refit) and the evaluation draw; the task
+sets and the warm start are shared, so methods are paired within a seed.
+1. Testbed: `DecisiveEnv` (envs/decisive.py): `--tasks` training tasks and `--heldout-tasks` held-out tasks
+   (another seed; never trained on) with heterogeneous difficulty and one decisive turn each.
+2. Warm start (supervised, not RL), shared by every seed and method and cached under `--cache`: a tiny
+   Qwen3 fitted for exactly `--sft-steps` steps to episodes of the imperfect teacher `teacher_pick` on
+   the training tasks. A fixed number of steps, so the start is not picked by the evaluation that
+   later measures it; each seed measures it with its own evaluation seed.
+3. RL, per method, from that warm start: the product's own loop, i.e. a Lightning `Trainer` built
+   from `conf/trainer/cpu.yaml` (gradient clipping, one epoch per iteration, dataloaders reloaded
+   every epoch) around `TraceModule` and `RolloutDataModule` (pool, predictor refit, allocation,
+   advantages, micro-batches and the non-finite guards exactly as in training). Every method spends
+   `--leaves` leaves per iteration (asserted), except the (M, N) table's extra runs.
+4. Evaluation before RL and every `--eval-every` iterations: success on the held-out tasks,
+   `--eval-samples` episodes each, at the training temperature, with a torch seed used nowhere else
+   (the start value is measured with it too). Its tokens are in no budget.
 
-Methods: uniform (GRPO), pcl, random_expand, trace (main); trace_root_only, trace_prefix_only (Table 1);
-trace at (M, N), (M, 3N), (2M, N) where M = leaves / (1 + N) (the (M, N) budget table).
-Targets (issue 7): TRACE reaches GRPO's final success with <= 0.6x of GRPO's leaves; TRACE's effective
-ratio >= 2x GRPO's. JSON (config, per-seed curves, summary) and a PNG land in benchmarks/results/.
+Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prompt count: groups of
+`--control-group`), pcl, random_expand, trace; Table 1: trace_root_only, trace_prefix_only; the (M, N)
+table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
+pools and a visit cap) and trace_gate (the calibration gate).
+Targets (issue 11): trace's effective ratio >= 1.8x GRPO's and mixed prompts per iteration >= 1.3x;
+trace reaches GRPO's final held-out success with <= 0.6x GRPO's leaves in >= 4 of 5 seeds; trace's
+final held-out success at equal leaves >= GRPO's (paired over seeds).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
+import logging
 import multiprocessing as mp
 import re
 import tempfile
@@ -41,61 +46,65 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy as np
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from trace_lightning import allocation as alloc
+from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.batching import collate, leaf_sequences, node_advantages
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.engines.hf import HFEngine
-from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.envs.decisive import TEACHER_SHIFT_ACCURACY, DecisiveEnv, teacher_pick
 from trace_lightning.iteration import Iteration, build_trees
 from trace_lightning.models import build_tiny_model
 from trace_lightning.module import TraceModule
+from trace_lightning.predictor import PredictorFit
 from trace_lightning.runner import ReActRunner
-from trace_lightning.tree import tree_stats
+from trace_lightning.selection import Selection
+from trace_lightning.tree import SUCCESS, tree_stats
 
-MAX_NEW_TOKENS = 12  # "<choose>X</choose>" is 7 tokens with the tiny tokenizer
-MAX_EPISODE_TOKENS = 256
+MAX_NEW_TOKENS = 10  # "<choose>X</choose>" is 7 tokens with the tiny tokenizer
+MAX_EPISODE_TOKENS = 320
 
 
 # --------------------------------------------------------------------------- methods
 
 
-def methods(leaves: int, expansion: int, max_per_prompt: int) -> dict[str, alloc.TreeAllocator]:
-    """Every run of one seed, by name. The (M, N) runs other than (M, N) itself change the leaves."""
+@dataclass(frozen=True)
+class Method:
+    allocator: alloc.TreeAllocator
+    leaves: int
+    selection: dict[str, Any] = field(default_factory=dict)
+
+
+def methods(args: argparse.Namespace) -> dict[str, Method]:
+    n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
+    m = leaves // (1 + n)
+    explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
     return {
-        "uniform": alloc.uniform(4),
-        "pcl": alloc.pcl(4),
-        "random_expand": alloc.random_expand(2, expansion),
-        "trace": alloc.trace(expansion, max_per_prompt=max_per_prompt),
-        "trace_root_only": alloc.trace_root_only(expansion, max_per_prompt=max_per_prompt),
-        "trace_prefix_only": alloc.trace_prefix_only(2, expansion),
-        **{
-            name: alloc.trace(n, max_per_prompt=max_per_prompt)
-            for name, (_, n) in budget_runs(leaves, expansion).items()
-        },
+        "uniform": Method(alloc.uniform(4), leaves),
+        "grpo_trace_prompts": Method(alloc.uniform(args.control_group), leaves),
+        "pcl": Method(alloc.pcl(4), leaves),
+        "random_expand": Method(alloc.random_expand(2, n), leaves),
+        "trace": Method(alloc.trace(n, max_per_prompt=cap), leaves),
+        "trace_root_only": Method(alloc.trace_root_only(n, max_per_prompt=cap), leaves),
+        "trace_prefix_only": Method(alloc.trace_prefix_only(2, n), leaves),
+        f"trace_m{m}_n{3 * n}": Method(alloc.trace(3 * n, max_per_prompt=cap), m * (1 + 3 * n)),
+        f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
+        "trace_explore": Method(alloc.trace(n, max_per_prompt=cap), leaves, explore),
+        "trace_gate": Method(alloc.trace(n, max_per_prompt=cap), leaves, {"gate_auroc": 0.6}),
     }
 
 
-def budget_runs(leaves: int, expansion: int) -> dict[str, tuple[int, int]]:
-    """(M, N) of the budget table's extra runs: deeper expansion (M, 3N) and wider roots (2M, N).
-    (M, N) itself is the main `trace` run."""
-    m = leaves // (1 + expansion)
-    return {
-        f"trace_m{m}_n{3 * expansion}": (m, 3 * expansion),
-        f"trace_m{2 * m}_n{expansion}": (2 * m, expansion),
-    }
-
-
-def leaves_of(name: str, args: argparse.Namespace) -> int:
-    runs = budget_runs(args.leaves, args.expansion)
-    if name in runs:
-        m, n = runs[name]
-        return m * (1 + n)
-    return args.leaves
+def budget_names(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(name, M, N) of the budget table: (M, N) is the main trace run."""
+    n, m = args.expansion, args.leaves // (1 + args.expansion)
+    return [("trace", m, n), (f"trace_m{m}_n{3 * n}", m, 3 * n), (f"trace_m{2 * m}_n{n}", 2 * m, n)]
 
 
 # --------------------------------------------------------------------------- warm start
@@ -103,33 +112,22 @@ def leaves_of(name: str, args: argparse.Namespace) -> int:
 
 @dataclass
 class TeacherEngine:
-    """A scripted `GenerationEngine` for the warm start's demonstrations: it finds the task and the key
-    asked for in the prompt, and writes `<choose>letter</choose>`, right with probability `accuracy`."""
+    """A scripted `GenerationEngine`: reads the last cue of the conversation ("Key 2: F" or "Key 2: F+2=H")
+    and answers as `teacher_pick` would (the shift applied with the teacher's accuracy)."""
 
     tokenizer: Any
-    env: ChainEnv
-    accuracy: float
+    env: DecisiveEnv
     rng: np.random.Generator
     stats: EngineStats = field(default_factory=EngineStats)
-
-    def __post_init__(self) -> None:
-        self.by_question = {
-            t.question: c for t, c in zip(self.env.tasks(), self.env.chain_tasks, strict=True)
-        }
-        self.ids = {
-            c: self.tokenizer(f"<choose>{c}</choose>", add_special_tokens=False)["input_ids"]
-            for c in self.env.letters
-        }
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt)
-            task = next(t for q, t in self.by_question.items() if q in text)
-            right = task.answers[len(re.findall(r"Key \d+\?", text)) - 1]
-            n = self.env.n_choices
-            pick = right if self.rng.random() < self.accuracy else (right + self.rng.integers(1, n)) % n
-            ids = self.ids[self.env.letters[pick]]
+            cue = re.findall(r"Key \d+: ([A-Z](?:\+\d=[A-Z])?)\.", text)[-1]
+            ids = self.tokenizer(f"<choose>{teacher_pick(cue, self.rng)}</choose>", add_special_tokens=False)[
+                "input_ids"
+            ]
             out.append(Completion(list(ids), [0.0] * len(ids), "stop"))
         return out
 
@@ -147,11 +145,10 @@ def play_all(runner: ReActRunner, per_task: int, rng: np.random.Generator) -> It
     return build_trees(pool, alloc.uniform(per_task), Budget(per_task * len(pool)), flat, runner, rng)
 
 
-def warm_start(module: TraceModule, env: ChainEnv, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """Supervised fit to teacher demonstrations (loss on the policy's own tokens only) until the
-    evaluation success reaches `sft_target`. Returns what it did, for the JSON."""
+def warm_start(module: TraceModule, env: DecisiveEnv, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """`sft_steps` supervised steps on teacher episodes (loss on the policy's own tokens only)."""
     rng = np.random.default_rng(seed)
-    teacher = TeacherEngine(module.tokenizer, env, args.teacher_acc, rng)
+    teacher = TeacherEngine(module.tokenizer, env, rng)
     runner = ReActRunner(
         teacher, module.tokenizer, env, SamplingParams(MAX_NEW_TOKENS), args.turns, MAX_EPISODE_TOKENS
     )
@@ -159,8 +156,7 @@ def warm_start(module: TraceModule, env: ChainEnv, args: argparse.Namespace, see
     seqs = leaf_sequences(demos, node_advantages(demos, "grpo"))
     opt = torch.optim.AdamW(module.policy.parameters(), lr=args.sft_lr)
     gen = torch.Generator().manual_seed(seed)
-    success, step = evaluate(module, env, args, seed), 0
-    for step in range(1, args.sft_steps + 1):
+    for _ in range(args.sft_steps):
         rows = torch.randperm(len(seqs), generator=gen)[: args.sft_batch].tolist()
         batch = collate([seqs[i] for i in rows], module.tokenizer.pad_token_id)
         logp = module._forward(module.policy, batch.input_ids, batch.attention_mask)[0]  # [B, T]
@@ -168,143 +164,218 @@ def warm_start(module: TraceModule, env: ChainEnv, args: argparse.Namespace, see
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % args.sft_check == 0 and step >= args.sft_min:
-            success = evaluate(module, env, args, seed)
-            if success >= args.sft_target:
-                break
-    return {"steps": step, "demos": len(seqs), "success": success}
+    teacher_success = float(np.mean([t.nodes[x].reward >= SUCCESS for t in demos for x in t.leaves()]))
+    return {"steps": args.sft_steps, "demos": len(seqs), "teacher_success": teacher_success}
 
 
-# --------------------------------------------------------------------------- evaluation and RL
+# --------------------------------------------------------------------------- evaluation
 
 
-def evaluate(module: TraceModule, env: ChainEnv, args: argparse.Namespace, seed: int) -> float:
-    """Sampled success over all tasks, `eval_samples` each, with a fixed seed; the training RNG is kept."""
-    engine = HFEngine(module.policy, module.tokenizer, max_batch_size=128)
+def evaluate(module: TraceModule, env: DecisiveEnv, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Held-out success (`eval_samples` episodes per task), with a torch seed no other stage uses; the
+    caller's RNG state is restored. Also the per-task success, for the difficulty spread."""
+    engine = HFEngine(module.policy, module.tokenizer, max_batch_size=256)
     sampling = SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature)
     runner = ReActRunner(engine, module.tokenizer, env, sampling, args.turns, MAX_EPISODE_TOKENS)
     state = torch.get_rng_state()
-    torch.manual_seed(10_000 + seed)
+    torch.manual_seed(1_000_000 + seed)
     trees = play_all(runner, args.eval_samples, np.random.default_rng(seed)).trees
     torch.set_rng_state(state)
-    return float(np.mean([t.nodes[leaf].reward >= 0.5 for t in trees for leaf in t.leaves()]))
+    per_task = [float(np.mean([t.nodes[x].reward >= SUCCESS for x in t.leaves()])) for t in trees]
+    return {"success": float(np.mean(per_task)), "per_task": per_task}
+
+
+def difficulty(per_task: list[float]) -> dict[str, float]:
+    """Share of tasks that (almost) never / always succeed, and GRPO's expected effective ratio at
+    groups of 4 if each task's success rate were its measured one."""
+    p = np.array(per_task)
+    return {
+        "never": float(np.mean(p <= 0.05)),
+        "always": float(np.mean(p >= 0.95)),
+        "expected_grpo_effective": float(np.mean(1 - p**4 - (1 - p) ** 4)),
+    }
+
+
+# --------------------------------------------------------------------------- one RL run
 
 
 def iteration_row(data: RolloutDataModule) -> dict[str, float]:
     res = data.report.result
     stats = [tree_stats(t) for t in res.trees]
     leaves = res.ledger.leaves_used
+    quality = data.report.root_quality
     return {
         "leaves": leaves,
         "tokens": res.ledger.tokens_used,
         "prompts": len(res.trees),
+        "mixed_prompts": int(sum(s.mixed for s in stats)),
         "effective_ratio": float(np.mean([s.mixed for s in stats])),
         "mixed_prefix_per_100": 100 * sum(sum(s.mixed_by_depth[1:]) for s in stats) / leaves,
-        "train_success": float(np.mean([t.nodes[x].reward >= 0.5 for t in res.trees for x in t.leaves()])),
-        # Can the head tell prompts apart? The spread of its root predictions over the candidate pool,
-        # and its bias on the prompts that got rollouts (predicted minus realised success).
-        "pool_pred_sd": float(np.std(res.pool_predicted)),
-        "root_pred_bias": float(
-            np.mean(
-                [
-                    t.root.predicted - np.mean([t.nodes[x].reward >= 0.5 for x in t.leaves()])
-                    for t in res.trees
-                ]
-            )
+        "train_success": float(
+            np.mean([t.nodes[x].reward >= SUCCESS for t in res.trees for x in t.leaves()])
         ),
+        "pool_pred_sd": float(np.std(res.pool_predicted)),
+        "root_auroc_mixed": quality.auroc_mixed if quality is not None else float("nan"),
+        "gate": float(quality.gate_open) if quality is not None else float("nan"),
+        "distinct_tasks": len({t.task_id for t in res.trees}),
     }
 
 
-def make_data(
-    allocator: alloc.TreeAllocator, leaves: int, env: ChainEnv, args: argparse.Namespace, seed: int
-) -> RolloutDataModule:
-    return RolloutDataModule(
-        env=env,
-        allocator=allocator,
-        engine=functools.partial(HFEngine, max_batch_size=64),
+class Recorder(L.Callback):
+    """Per-iteration rows from the DataModule's report, and the held-out evaluation every few epochs."""
+
+    def __init__(self, name: str, env: DecisiveEnv, args: argparse.Namespace, seed: int, leaves: int) -> None:
+        self.name, self.env, self.args, self.seed, self.leaves = name, env, args, seed, leaves
+        self.rows: list[dict[str, float]] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.rows.append(iteration_row(trainer.datamodule))
+        row = self.rows[-1]
+        assert row["leaves"] == self.leaves, f"{self.name} spent {row['leaves']} leaves, budget {self.leaves}"
+        it = len(self.rows)
+        if it % self.args.eval_every == 0 or it == self.args.iterations:
+            cum = {k: int(sum(r[k] for r in self.rows)) for k in ("leaves", "tokens")}
+            self.evals.append(
+                {
+                    "iteration": it,
+                    **cum,
+                    "success": evaluate(module, self.env, self.args, self.seed)["success"],
+                }
+            )
+
+
+def product_trainer(args: argparse.Namespace, callbacks: list[L.Callback], root: str) -> L.Trainer:
+    """The CLI's own Trainer (conf/trainer/cpu.yaml): clipping, epochs = iterations, reloads each epoch."""
+    config.register()
+    with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=cpu", f"run_dir={root}", "logger=none", "callbacks=none"])
+    return instantiate(
+        cfg.trainer,
+        max_epochs=args.iterations,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def train_run(
+    name: str,
+    method: Method,
+    model_dir: str,
+    warm: dict[str, torch.Tensor],
+    envs: tuple,
+    args,
+    seed: int,
+    start,
+) -> dict[str, Any]:
+    train_env, heldout_env = envs
+    torch.manual_seed(seed)
+    module = TraceModule(
+        model_dir,
+        functools.partial(torch.optim.AdamW, lr=args.lr),
+        predictor_width=64,
+        predictor_lr=args.predictor_lr,
+        predictor_coef=0.0,
+        predictor_standardize=True,
+        temperature=args.temperature,
+    )
+    module.policy.load_state_dict(warm)
+    data = RolloutDataModule(
+        env=train_env,
+        allocator=method.allocator,
+        engine=functools.partial(HFEngine, max_batch_size=128),
         sampling=SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature),
-        leaves=leaves,
+        leaves=method.leaves,
         pool_size=args.pool,
         micro_batch_size=args.micro_batch,
         max_turns=args.turns,
         max_episode_tokens=MAX_EPISODE_TOKENS,
         estimator=args.estimator,
-        cold_start=BetaPrior(warmup=1),
+        cold_start=BetaPrior(warmup=1, decay=args.decay),
+        selection=Selection(**method.selection),
+        predictor_fit=PredictorFit(args.refit_steps, args.replay_window, 256, args.predictor_lr, seed),
         seed=seed,
     )
-
-
-def train_iteration(module: TraceModule, data: RolloutDataModule, opt: Any, it: int) -> None:
-    """Sample one iteration, then one optimizer step per micro-batch (an epoch, minus the clipping)."""
-    for batch in data.build_iteration(module):
-        loss = module.training_step(batch, it)
-        opt.zero_grad()
-        if loss is not None:
-            loss.backward()
-            opt.step()
-
-
-def train_run(
-    name: str,
-    allocator: alloc.TreeAllocator,
-    model_dir: str,
-    warm: dict[str, torch.Tensor],
-    env: ChainEnv,
-    args: argparse.Namespace,
-    seed: int,
-) -> dict[str, Any]:
-    """One method from the seed's warm start: per-iteration rows and the evaluation curve."""
-    torch.manual_seed(seed)
-    module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
-    module.policy.load_state_dict(warm)
-    leaves = leaves_of(name, args)
-    data = make_data(allocator, leaves, env, args, seed)
-    opt = module.configure_optimizers()
-    rows: list[dict[str, float]] = []
-    evals = [{"iteration": 0, "leaves": 0, "tokens": 0, "success": evaluate(module, env, args, seed)}]
-    start = time.perf_counter()
-    for it in range(1, args.iterations + 1):
-        train_iteration(module, data, opt, it)
-        rows.append(iteration_row(data))
-        assert rows[-1]["leaves"] == leaves, f"{name} spent {rows[-1]['leaves']} leaves, budget {leaves}"
-        if it % args.eval_every == 0 or it == args.iterations:
-            cum = {k: int(sum(r[k] for r in rows)) for k in ("leaves", "tokens")}
-            evals.append({"iteration": it, **cum, "success": evaluate(module, env, args, seed)})
-    seconds = time.perf_counter() - start
+    recorder = Recorder(name, heldout_env, args, seed, method.leaves)
+    recorder.evals.append({"iteration": 0, "leaves": 0, "tokens": 0, "success": start["success"]})
+    clock = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        product_trainer(args, [recorder], root).fit(module, datamodule=data)
+    seconds = time.perf_counter() - clock
+    rows, evals = recorder.rows, recorder.evals
     print(
-        f"  seed {seed} {name:18s} success {evals[0]['success']:.3f} -> {evals[-1]['success']:.3f} "
-        f"eff {np.mean([r['effective_ratio'] for r in rows]):.3f}  {seconds:.0f} s",
+        f"  seed {seed} {name:20s} held-out {evals[0]['success']:.3f} -> {evals[-1]['success']:.3f}  "
+        f"eff {np.mean([r['effective_ratio'] for r in rows]):.3f}  "
+        f"mixed/it {np.mean([r['mixed_prompts'] for r in rows]):.2f}  {seconds:.0f} s",
         flush=True,
     )
     return {
         "method": name,
         "seed": seed,
-        "leaves_per_iteration": leaves,
+        "leaves_per_iteration": method.leaves,
         "iterations": rows,
         "evals": evals,
         "seconds": seconds,
     }
 
 
-def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """The warm start and every method of one seed (one worker process)."""
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    env = ChainEnv(n_tasks=args.tasks, turns=args.turns, n_choices=args.choices, seed=seed)
+def testbed(args: argparse.Namespace) -> tuple[DecisiveEnv, DecisiveEnv]:
+    """The training and held-out task sets: the same for every seed (seeds vary the RL randomness)."""
+    return (
+        DecisiveEnv(args.tasks, args.heldout_tasks, "train", args.task_seed),
+        DecisiveEnv(args.tasks, args.heldout_tasks, "heldout", args.task_seed),
+    )
+
+
+def warm_start_path(args: argparse.Namespace) -> Path:
+    """Where the shared warm start is cached: a hash of everything it depends on."""
+    keys = ("tasks", "task_seed", "hidden", "layers", "demos", "sft_steps", "sft_lr", "sft_batch", "turns")
+    spec = json.dumps({k: getattr(args, k) for k in keys} | {"teacher": TEACHER_SHIFT_ACCURACY}, sort_keys=True)
+    return args.cache / f"warm_{hashlib.sha256(spec.encode()).hexdigest()[:16]}.pt"
+
+
+def shared_warm_start(args: argparse.Namespace) -> dict[str, Any]:
+    """The supervised warm start every seed and method starts from, computed once (and cached)."""
+    path = warm_start_path(args)
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dir:
-        build_tiny_model(model_dir, hidden_size=args.hidden, layers=args.layers, seed=seed)
-        torch.manual_seed(seed)
+        build_tiny_model(model_dir, hidden_size=args.hidden, layers=args.layers, seed=args.task_seed)
+        torch.manual_seed(args.task_seed)
         module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
-        warm_info = warm_start(module, env, args, seed)
-        print(f"seed {seed}: warm start {warm_info} in {time.perf_counter() - start:.0f} s", flush=True)
-        warm = {k: v.clone() for k, v in module.policy.state_dict().items()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+        info = warm_start(module, testbed(args)[0], args, args.task_seed)
+        state = {"weights": module.policy.state_dict(), "info": info | {"seconds": time.perf_counter() - clock}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return state
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Every method of one seed from the shared warm start (one worker process)."""
+    torch.set_num_threads(1)
+    for name in ("lightning.pytorch", "lightning.fabric", "trace_lightning"):  # one line per run is enough
+        logging.getLogger(name).setLevel(logging.WARNING)
+    clock = time.perf_counter()
+    envs = testbed(args)
+    warm = shared_warm_start(args)
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_tiny_model(model_dir, hidden_size=args.hidden, layers=args.layers, seed=args.task_seed)
+        module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
+        module.policy.load_state_dict(warm["weights"])
+        start = evaluate(module, envs[1], args, seed)  # this seed's evaluation seed, used for every method
+        info = warm["info"] | {"heldout_success": start["success"], **difficulty(start["per_task"])}
+        print(f"seed {seed}: warm start {info}", flush=True)
         runs = [
-            train_run(name, allocator, model_dir, warm, env, args, seed)
-            for name, allocator in methods(args.leaves, args.expansion, args.max_per_prompt).items()
+            train_run(name, method, model_dir, warm["weights"], envs, args, seed, start)
+            for name, method in methods(args).items()
+            if name in args.methods or not args.methods
         ]
-    result = {"seed": seed, "warm_start": warm_info, "runs": runs, "seconds": time.perf_counter() - start}
-    # Each seed is also kept on its own as soon as it ends: a run cut short still leaves its finished seeds.
+    result = {"seed": seed, "warm_start": info, "runs": runs, "seconds": time.perf_counter() - clock}
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # each seed is kept on its own as soon as it ends
     args.out.with_name(f".{args.out.stem}_seed{seed}.json").write_text(json.dumps(result))
     return result
 
@@ -313,8 +384,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def smoothed(evals: list[dict[str, float]]) -> np.ndarray:
-    """Success at each evaluation, averaged with the one before: one evaluation is noisy (a few hundred
-    episodes), so both "final success" and "first reached" use this two-point trailing mean."""
+    """Success at each evaluation, averaged with the one before (one evaluation is a few hundred
+    episodes): "final success" and "first reached" both use this two-point trailing mean."""
     s = np.array([e["success"] for e in evals])  # [E]
     return np.concatenate([s[:1], (s[1:] + s[:-1]) / 2])
 
@@ -329,25 +400,36 @@ def per_seed_metrics(seed_result: dict[str, Any]) -> dict[str, dict[str, float]]
     runs = {r["method"]: r for r in seed_result["runs"]}
     grpo = runs["uniform"]
     target, grpo_total = float(smoothed(grpo["evals"])[-1]), float(grpo["evals"][-1]["leaves"])
-    base_eff = float(np.mean([r["effective_ratio"] for r in grpo["iterations"]]))
+    base = {
+        k: float(np.mean([r[k] for r in grpo["iterations"]])) for k in ("effective_ratio", "mixed_prompts")
+    }
     out = {}
     for name, r in runs.items():
-        eff = float(np.mean([row["effective_ratio"] for row in r["iterations"]]))
+        mean = {k: float(np.mean([row[k] for row in r["iterations"]])) for k in r["iterations"][0]}
         # Where GRPO ended no higher than the shared start, every method "reaches" its final success at
         # 0 leaves; the comparison says nothing there, so it is left undefined (nan) for that seed.
         reach = leaves_to_reach(r["evals"], target) if target > grpo["evals"][0]["success"] else float("nan")
         out[name] = {
             "final_success": float(smoothed(r["evals"])[-1]),
             "start_success": float(r["evals"][0]["success"]),
-            "effective_ratio": eff,
-            "effective_x_uniform": eff / base_eff if base_eff > 0 else float("nan"),
+            "gain_vs_grpo": float(smoothed(r["evals"])[-1]) - target,
+            "effective_ratio": mean["effective_ratio"],
+            "effective_x_uniform": _ratio(mean["effective_ratio"], base["effective_ratio"]),
+            "mixed_prompts_per_iteration": mean["mixed_prompts"],
+            "mixed_prompts_x_uniform": _ratio(mean["mixed_prompts"], base["mixed_prompts"]),
+            "prompts_per_iteration": mean["prompts"],
             "leaves_to_grpo_final": reach,
             "leaves_x_grpo": reach / grpo_total,
             "total_leaves": float(r["evals"][-1]["leaves"]),
-            "tokens_per_iteration": float(np.mean([row["tokens"] for row in r["iterations"]])),
-            "mixed_prefix_per_100": float(np.mean([row["mixed_prefix_per_100"] for row in r["iterations"]])),
+            "tokens_per_iteration": mean["tokens"],
+            "mixed_prefix_per_100": mean["mixed_prefix_per_100"],
+            "pool_pred_sd": mean["pool_pred_sd"],
         }
     return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
 
 
 def summarize(seed_results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -359,7 +441,6 @@ def summarize(seed_results: list[dict[str, Any]]) -> dict[str, dict[str, dict[st
         for key in per_seed[0][name]:
             v = np.array([p[name][key] for p in per_seed])
             finite = v[np.isfinite(v)]
-            # A metric that is not finite for some seed (never reached: inf; no baseline: nan) has no mean.
             missing = float("inf") if np.isinf(v).any() else float("nan")
             out[name][key] = {
                 "mean": float(v.mean()) if finite.size == v.size else missing,
@@ -378,28 +459,32 @@ def fmt(stat: dict[str, float], digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
+MAIN = ["uniform", "grpo_trace_prompts", "pcl", "random_expand", "trace", "trace_explore", "trace_gate"]
+
+
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """The three tables and the verdict on each target; returns the verdict lines."""
-    main = ["uniform", "pcl", "random_expand", "trace"]
+    """The main table, Table 1, the (M, N) table and the verdict on each target; returns the verdicts."""
+    seeds = len(summary["uniform"]["final_success"]["per_seed"])
     print(
-        f"\nMain comparison: {args.leaves} leaves per iteration, {args.iterations} iterations, "
-        f"{len(args.seeds)} seeds (mean ± std over seeds; success = evaluation, 2-point trailing mean)"
+        f"\nMain comparison: {args.leaves} leaves per iteration, {args.iterations} iterations, {seeds} seeds "
+        f"(mean ± std over seeds; held-out success, 2-point trailing mean)"
     )
     print(
-        f"{'method':15s} {'start':>6s} {'final success':>15s} {'leaves to GRPO final':>22s} "
-        f"{'x GRPO leaves':>15s} {'eff. ratio':>15s} {'x uniform':>13s} {'tokens/iter':>11s}"
+        f"{'method':20s} {'start':>6s} {'final held-out':>15s} {'x GRPO leaves':>15s} {'eff. ratio':>15s} "
+        f"{'x uniform':>13s} {'mixed prompts/it':>17s} {'prompts/it':>10s} {'tokens/it':>9s}"
     )
-    for name in main:
+    for name in [n for n in MAIN if n in summary]:
         s = summary[name]
         print(
-            f"{name:15s} {s['start_success']['mean']:6.3f} {fmt(s['final_success']):>15s} "
-            f"{fmt(s['leaves_to_grpo_final'], 0):>22s} {fmt(s['leaves_x_grpo'], 2):>15s} "
-            f"{fmt(s['effective_ratio']):>15s} {fmt(s['effective_x_uniform'], 2):>13s} "
-            f"{s['tokens_per_iteration']['mean']:11.0f}"
+            f"{name:20s} {s['start_success']['mean']:6.3f} {fmt(s['final_success']):>15s} "
+            f"{fmt(s['leaves_x_grpo'], 2):>15s} {fmt(s['effective_ratio']):>15s} "
+            f"{fmt(s['effective_x_uniform'], 2):>13s} {fmt(s['mixed_prompts_per_iteration'], 2):>17s} "
+            f"{s['prompts_per_iteration']['mean']:10.1f} {s['tokens_per_iteration']['mean']:9.0f}"
         )
     print("\nTable 1 ablation (root allocation / prefix allocation), same budget")
-    head = f"{'final success':>15s} {'eff. ratio':>15s}"
-    print(f"{'root':8s} {'prefix':8s} {'method':18s} {head} {'x uniform':>13s}")
+    print(
+        f"{'root':8s} {'prefix':8s} {'method':18s} {'final held-out':>15s} {'eff. ratio':>15s} {'prefix mixed/100':>16s}"
+    )
     for root, prefix, name in [
         ("uniform", "none", "uniform"),
         ("uniform", "random", "random_expand"),
@@ -407,37 +492,61 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]
         ("uniform", "active", "trace_prefix_only"),
         ("active", "active", "trace"),
     ]:
-        s = summary[name]
-        print(
-            f"{root:8s} {prefix:8s} {name:18s} {fmt(s['final_success']):>15s} "
-            f"{fmt(s['effective_ratio']):>15s} {fmt(s['effective_x_uniform'], 2):>13s}"
-        )
-    m = args.leaves // (1 + args.expansion)
+        if name in summary:
+            s = summary[name]
+            print(
+                f"{root:8s} {prefix:8s} {name:18s} {fmt(s['final_success']):>15s} "
+                f"{fmt(s['effective_ratio']):>15s} {s['mixed_prefix_per_100']['mean']:16.1f}"
+            )
     print(
-        f"\n(M, N) budget table: trace with M bare rollouts and N continuations each, "
-        f"{args.iterations} iterations"
+        f"\n(M, N) budget table: trace with M bare rollouts and N continuations each, {args.iterations} iterations"
     )
-    print(f"{'M':>4s} {'N':>3s} {'leaves/iter':>11s} {head} {'total leaves':>12s}")
-    for name, (mm, n) in [("trace", (m, args.expansion)), *budget_runs(args.leaves, args.expansion).items()]:
-        s = summary[name]
-        print(
-            f"{mm:4d} {n:3d} {mm * (1 + n):11d} {fmt(s['final_success']):>15s} "
-            f"{fmt(s['effective_ratio']):>15s} {s['total_leaves']['mean']:12.0f}"
-        )
-    t, grpo = summary["trace"], summary["uniform"]
-    ratio, eff = t["leaves_x_grpo"], t["effective_x_uniform"]
-    gain = grpo["final_success"]["mean"] - grpo["start_success"]["mean"]
-    leaves_ok = ratio["reached"] == len(ratio["per_seed"]) and ratio["mean"] <= 0.6 and gain > 0
-    eff_ok = bool(np.isfinite(eff["mean"]) and eff["mean"] >= 2.0)
-    verdicts = [
-        f"{'PASS' if leaves_ok else 'MISS'}: TRACE reaches GRPO's final success with {fmt(ratio, 2)} x "
-        f"GRPO's leaves (target <= 0.6; per seed {[round(x, 2) for x in ratio['per_seed']]}; "
-        f"GRPO's own gain over the warm start {gain:+.3f}, the target is only meaningful when positive)",
-        f"{'PASS' if eff_ok else 'MISS'}: TRACE's effective ratio is {fmt(eff, 2)} x GRPO's "
-        f"(target >= 2; per seed {[round(x, 2) for x in eff['per_seed']]})",
+    print(
+        f"{'M':>4s} {'N':>3s} {'leaves/iter':>11s} {'final held-out':>15s} {'eff. ratio':>15s} {'total leaves':>12s}"
+    )
+    for name, m, n in budget_names(args):
+        if name in summary:
+            s = summary[name]
+            print(
+                f"{m:4d} {n:3d} {m * (1 + n):11d} {fmt(s['final_success']):>15s} "
+                f"{fmt(s['effective_ratio']):>15s} {s['total_leaves']['mean']:12.0f}"
+            )
+    return verdicts(summary)
+
+
+def verdicts(summary: dict[str, Any]) -> list[str]:
+    t, g = summary["trace"], summary["uniform"]
+    eff, mixed, reach, gain = (
+        t["effective_x_uniform"],
+        t["mixed_prompts_x_uniform"],
+        t["leaves_x_grpo"],
+        t["gain_vs_grpo"],
+    )
+    seeds = len(reach["per_seed"])
+    hits = sum(x <= 0.6 for x in reach["per_seed"])
+    paired = np.array(gain["per_seed"])
+    lines = [
+        (eff["mean"] >= 1.8, f"trace's effective ratio is {fmt(eff, 2)} x GRPO's (target >= 1.8)"),
+        (
+            mixed["mean"] >= 1.3,
+            f"trace's mixed prompts per iteration are {fmt(mixed, 2)} x GRPO's (target >= 1.3)",
+        ),
+        (
+            hits >= min(4, seeds) * seeds / 5 and seeds > 0,
+            f"trace reaches GRPO's final held-out success with <= 0.6x GRPO's leaves in {hits} of {seeds} seeds "
+            f"(target >= 4 of 5; per seed {[round(x, 2) for x in reach['per_seed']]}; GRPO's gain over the "
+            f"start {g['final_success']['mean'] - g['start_success']['mean']:+.3f})",
+        ),
+        (
+            bool(paired.mean() >= 0),
+            f"trace's final held-out success minus GRPO's, paired over seeds: {paired.mean():+.3f} "
+            f"± {paired.std(ddof=1) / np.sqrt(len(paired)) if len(paired) > 1 else float('nan'):.3f} (s.e.) "
+            f"(target >= 0; per seed {[round(x, 3) for x in paired]})",
+        ),
     ]
-    print("\n" + "\n".join(verdicts))
-    return verdicts
+    out = [f"{'PASS' if ok else 'MISS'}: {text}" for ok, text in lines]
+    print("\n" + "\n".join(out))
+    return out
 
 
 # --------------------------------------------------------------------------- plot and main
@@ -454,8 +563,8 @@ def plot(seed_results: list[dict[str, Any]], args: argparse.Namespace, path: Pat
         for r in s["runs"]:
             by_method.setdefault(r["method"], []).append(r)
     fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    compared = ["uniform", "pcl", "random_expand", "trace", "trace_root_only", "trace_prefix_only"]
-    budget = ["trace", *budget_runs(args.leaves, args.expansion)]
+    compared = [n for n in MAIN if n in by_method]
+    budget = [n for n, _, _ in budget_names(args) if n in by_method]
     for ax, names, unit in [
         (axes[0], compared, "leaves"),
         (axes[1], compared, "tokens"),
@@ -468,19 +577,22 @@ def plot(seed_results: list[dict[str, Any]], args: argparse.Namespace, path: Pat
             (line,) = ax.plot(x, y.mean(0), label=name, lw=2.2 if name == "trace" else 1.4)
             ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.1)
         ax.set_xlabel(f"cumulative {'generated tokens' if unit == 'tokens' else 'leaves (trajectories)'}")
-        ax.set_ylabel("evaluation success (2-point mean)")
+        ax.set_ylabel("held-out success (2-point mean)")
         ax.legend(fontsize=8)
-    axes[0].set_title("success vs leaves (band: min-max over seeds)")
-    axes[1].set_title("success vs generated tokens")
+    axes[0].set_title("held-out success vs leaves (band: min-max over seeds)")
+    axes[1].set_title("held-out success vs generated tokens")
     axes[3].set_title("(M, N) budget table: trace")
     window = max(1, args.iterations // 10)
     for name in compared:
-        eff = np.mean([[row["effective_ratio"] for row in r["iterations"]] for r in by_method[name]], axis=0)
-        smooth = np.convolve(eff, np.ones(window) / window, mode="valid")
-        axes[2].plot(np.arange(window, len(eff) + 1), smooth, label=name)
-    axes[2].set_title(f"effective ratio per iteration (mean over seeds, {window}-iteration running mean)")
+        mixed = np.mean([[row["mixed_prompts"] for row in r["iterations"]] for r in by_method[name]], axis=0)
+        axes[2].plot(
+            np.arange(window, len(mixed) + 1),
+            np.convolve(mixed, np.ones(window) / window, "valid"),
+            label=name,
+        )
+    axes[2].set_title(f"mixed prompts per iteration (mean over seeds, {window}-iteration running mean)")
     axes[2].set_xlabel("iteration")
-    axes[2].set_ylabel("share of prompts with mixed outcomes")
+    axes[2].set_ylabel("prompts with both outcomes")
     axes[2].legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -489,49 +601,54 @@ def plot(seed_results: list[dict[str, Any]], args: argparse.Namespace, path: Pat
 
 QUICK = {
     "seeds": [0],
-    "tasks": 8,
+    "tasks": 40,
+    "heldout_tasks": 8,
     "pool": 8,
     "leaves": 12,
     "iterations": 2,
     "eval_every": 1,
     "eval_samples": 1,
     "sft_steps": 4,
-    "sft_min": 2,
-    "sft_check": 2,
-    "demos": 2,
+    "demos": 1,
     "workers": 1,
+    "refit_steps": 5,
+    "control_group": 6,
 }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run for the test suite (~30 s)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--workers", type=int, default=3, help="seeds run in parallel processes, one thread each")
-    p.add_argument("--tasks", type=int, default=32, help="chain tasks (training pool = evaluation set)")
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--choices", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run for the test suite")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--workers", type=int, default=2, help="seeds run in parallel processes, one thread each")
+    p.add_argument("--methods", nargs="*", default=[], help="run only these methods (default: all)")
+    p.add_argument("--tasks", type=int, default=1000, help="training tasks")
+    p.add_argument("--task-seed", type=int, default=0, help="seed of the task sets and the warm start")
+    p.add_argument("--cache", type=Path, default=Path("benchmarks/results/.cache"), help="warm-start cache")
+    p.add_argument("--heldout-tasks", type=int, default=200, help="held-out tasks (never trained on)")
+    p.add_argument("--turns", type=int, default=4, help="max turns of an episode (tasks have 2-4)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--leaves", type=int, default=24, help="leaves per iteration, every method")
     p.add_argument("--expansion", type=int, default=2, help="N, continuations per bare rollout")
     p.add_argument("--max-per-prompt", type=int, default=8)
-    p.add_argument("--pool", type=int, default=16, help="candidate prompts per iteration")
-    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument(
+        "--control-group", type=int, default=6, help="grpo_trace_prompts: group size (fewer prompts)"
+    )
+    p.add_argument("--pool", type=int, default=48, help="candidate prompts per iteration")
+    p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--predictor-lr", type=float, default=3e-3)
+    p.add_argument("--refit-steps", type=int, default=50)
+    p.add_argument("--replay-window", type=int, default=8)
+    p.add_argument("--decay", type=float, default=0.9, help="per-iteration decay of the Beta counts")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--estimator", default="tree_grpo")
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--eval-samples", type=int, default=4, help="episodes per task per evaluation")
-    p.add_argument(
-        "--teacher-acc", type=float, default=1.0, help="warm start: P(teacher picks the right letter)"
-    )
-    p.add_argument("--demos", type=int, default=16, help="warm start: teacher episodes per task")
-    p.add_argument("--sft-steps", type=int, default=800, help="warm start: at most this many steps")
-    p.add_argument("--sft-min", type=int, default=100)
-    p.add_argument("--sft-check", type=int, default=25, help="warm start: evaluate every this many steps")
-    p.add_argument("--sft-target", type=float, default=0.45, help="warm start: stop at this success")
+    p.add_argument("--eval-samples", type=int, default=2, help="episodes per held-out task per evaluation")
+    p.add_argument("--demos", type=int, default=2, help="warm start: teacher episodes per training task")
+    p.add_argument("--sft-steps", type=int, default=300, help="warm start: exactly this many steps")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
@@ -539,9 +656,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-json", type=Path, help="reprint the tables and redraw the plot of a finished run")
     args = p.parse_args(argv)
     if args.from_json is not None:  # the run's own configuration, so the tables describe what ran
-        config = json.loads(args.from_json.read_text())["config"]
+        cfg = json.loads(args.from_json.read_text())["config"]
         return argparse.Namespace(
-            **(config | {"out": args.from_json, "plot": args.plot, "from_json": args.from_json})
+            **(cfg | {"out": args.from_json, "plot": args.plot, "from_json": args.from_json})
         )
     if args.quick:
         for key, value in QUICK.items():
@@ -557,21 +674,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot(result["seeds"], args, args.plot)
         return
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    clock = time.perf_counter()
+    shared_warm_start(args)  # once, before the workers start
     if args.workers > 1 and len(args.seeds) > 1:
         with mp.get_context("spawn").Pool(min(args.workers, len(args.seeds))) as pool:
             seed_results = pool.starmap(run_seed, [(args, s) for s in args.seeds])
     else:
         seed_results = [run_seed(args, s) for s in args.seeds]
     summary = summarize(seed_results)
-    verdicts = print_tables(summary, args)
-    seconds = time.perf_counter() - start
+    verdict_lines = print_tables(summary, args)
+    seconds = time.perf_counter() - clock
     print(f"\ntotal {seconds:.0f} s; JSON {args.out}; plot {args.plot}")
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     out = {
-        "config": config,
+        "config": cfg,
         "seconds": seconds,
-        "verdicts": verdicts,
+        "verdicts": verdict_lines,
         "summary": summary,
         "seeds": seed_results,
     }
