@@ -37,3 +37,16 @@ def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def require_bwrap() -> None:
+    """Skip where bubblewrap (the python tool's jail) is missing; in CI, which installs it, fail."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("bwrap") is None:
+        message = "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must install it (.ci/run does)")
+        pytest.skip(message)
