@@ -388,6 +388,13 @@ HOSTILE = [
         "spawned",
     ),
     Hostile(
+        "survivors",
+        "stop the launcher, sleep on",  # the launcher cannot enforce the wall: the trainer's backstop must
+        "import os, subprocess, time\nsubprocess.Popen(['sleep', '$token'])\nprint('stopping', flush=True)\n"
+        "os.kill(os.getppid(), 19)\ntime.sleep(60)",
+        "timed out after 2 s",
+    ),
+    Hostile(
         "environment", "the trainer's variables", "import os\nprint(dict(os.environ))", "'HOME': '/scratch'"
     ),
 ]

@@ -161,8 +161,6 @@ def _root_links() -> list[str]:
     return args
 
 
-def host_user() -> dict[str, object]:
-    """Popen arguments that start bwrap as `nobody` when the trainer is root (else as the trainer)."""
-    if os.geteuid() != 0:
-        return {}
-    return {"user": JAIL_UID, "group": JAIL_UID, "extra_groups": []}
+def host_uid() -> int | None:
+    """The host uid to start bwrap as: `nobody` when the trainer is root, else None (the trainer's own)."""
+    return JAIL_UID if os.geteuid() == 0 else None

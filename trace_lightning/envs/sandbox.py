@@ -36,7 +36,7 @@ from trace_lightning.envs.jail import (
     LAUNCHER,
     JailUnavailableError,
     bwrap_command,
-    host_user,
+    host_uid,
     seccomp_program,
 )
 
@@ -209,6 +209,7 @@ def _spawn_and_wait(
     Returns whether the launcher started, and its report (or what the trainer saw when it had none).
     """
     status_read, status_write = os.pipe()
+    uid = host_uid() if info_read is not None else None  # the unjailed launcher keeps the trainer's user
     try:
         try:
             proc = subprocess.Popen(
@@ -220,7 +221,9 @@ def _spawn_and_wait(
                 stderr=err,
                 pass_fds=(status_write, *fds.values()),
                 start_new_session=True,  # its own process group, so the whole group can be killed
-                **(host_user() if info_read is not None else {}),
+                user=uid,
+                group=uid,
+                extra_groups=None if uid is None else [],
             )
         except OSError as err:  # e.g. a bwrap that the jail's host user (nobody) may not execute
             raise JailUnavailableError(
