@@ -1,5 +1,6 @@
 """Shared test helpers (plain functions; fixtures live in conftest.py)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -40,13 +41,28 @@ def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
 
 
 def require_bwrap() -> None:
-    """Skip where bubblewrap (the python tool's jail) is missing; in CI, which installs it, fail."""
-    import shutil
-
+    """Skip where the python tool's jail cannot run here (bubblewrap missing, or no namespaces allowed);
+    in CI, which installs bubblewrap, fail instead."""
     import pytest
 
-    if shutil.which("bwrap") is None:
-        message = "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"
+    problem = _jail_problem()
+    if problem is not None:
         if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must install it (.ci/run does)")
-        pytest.skip(message)
+            pytest.fail(f"{problem}; CI must provide a working bubblewrap (.ci/run installs it)")
+        pytest.skip(problem)
+
+
+@functools.cache
+def _jail_problem() -> str | None:
+    import shutil
+
+    from trace_lightning.envs.jail import JailUnavailableError
+    from trace_lightning.envs.sandbox import SandboxLimits, check_sandbox
+
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"
+    try:
+        check_sandbox(SandboxLimits())
+    except JailUnavailableError as err:
+        return f"bubblewrap cannot build its jail here: {err}"
+    return None
