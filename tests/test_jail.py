@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from helpers import require_bwrap
 
+from trace_lightning.envs import jail, sandbox
 from trace_lightning.envs.jail import JailUnavailableError
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, run_python
@@ -576,15 +577,13 @@ def test_the_jail_runs_as_nobody_on_the_host(world: World) -> None:
         while not done.is_set():
             uids = set()
             for pid in _descendants(os.getpid()) - {world.victim.pid}:
-                with_status = Path(f"/proc/{pid}/status")
-                try:
-                    uids |= {
-                        line.split()[1]
-                        for line in with_status.read_text().splitlines()
-                        if line.startswith("Uid:")
-                    }
+                try:  # bwrap and the jail's python; not a forked child that has not exec'd bwrap yet
+                    if b"launcher.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        continue
+                    status = Path(f"/proc/{pid}/status").read_text().splitlines()
                 except OSError:
                     continue
+                uids |= {line.split()[1] for line in status if line.startswith("Uid:")}
             if uids:
                 seen.append(uids)
             time.sleep(0.05)
@@ -654,3 +653,30 @@ def test_the_leftover_checks_see_a_live_process(world: World) -> None:
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert _with_token(world.token) == []
+
+
+def test_the_seccomp_filter_is_what_refuses_ptrace_and_keyctl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control for the "namespace escapes" rows: with an allow-all filter the same calls succeed."""
+    require_bwrap()
+    code = (
+        "import ctypes, os, platform, time\nlibc = ctypes.CDLL(None, use_errno=True)\nchild = os.fork()\n"
+        "if child == 0:\n    time.sleep(5); os._exit(0)\n"
+        f"keyctl = {SYSCALLS!r}[platform.machine()][0]\n"
+        "print('ptrace', libc.ptrace(16, child, 0, 0), 'keyctl', libc.syscall(keyctl, 0, -3, 0) > 0)"
+    )
+    limits = SandboxLimits(**{**LIMITS.__dict__, "audit_hook": False})
+    assert run_python(code, limits).output == "ptrace -1 keyctl False\n"
+    monkeypatch.setattr(sandbox, "seccomp_program", _allow_all_filter)
+    assert run_python(code, limits).output == "ptrace 0 keyctl True\n"
+
+
+def _allow_all_filter() -> bytes:
+    libseccomp = jail._load_libseccomp()
+    ctx = libseccomp.seccomp_init(jail._SCMP_ACT_ALLOW)
+    fd = os.memfd_create("allow-all")
+    try:
+        assert libseccomp.seccomp_export_bpf(ctx, fd) == 0
+        return os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
+        libseccomp.seccomp_release(ctx)
