@@ -244,9 +244,10 @@ HOSTILE = [
     Hostile(
         "other processes via /proc",
         "kill every process it can",
-        "import os\nif os.getuid() == 65534 and len([p for p in os.listdir('/proc') if p.isdigit()]) < 10:\n"
-        "    os.kill(-1, 9)  # only ever inside a pid namespace\nprint('after kill(-1)')",
-        "launcher was killed",
+        "import os, subprocess\nchild = subprocess.Popen(['sleep', '$token'])\n"
+        "if os.getuid() == 65534 and len([p for p in os.listdir('/proc') if p.isdigit()]) < 10:\n"
+        "    os.kill(-1, 9)  # only inside a pid namespace\nprint('after kill(-1), child', child.wait())",
+        "after kill(-1), child -9",  # the jail's own child died; the launcher (the init) lived to report
     ),
     # -- the network -------------------------------------------------------------------------------------
     Hostile(
@@ -390,7 +391,7 @@ HOSTILE = [
     ),
     Hostile(
         "survivors",
-        "stop the launcher, sleep on",  # the launcher cannot enforce the wall: the trainer's backstop must
+        "stop the launcher, sleep on",  # ignored: the launcher is the pid namespace's init
         "import os, subprocess, time\nsubprocess.Popen(['sleep', '$token'])\nprint('stopping', flush=True)\n"
         "os.kill(os.getppid(), 19)\ntime.sleep(60)",
         "timed out after 2 s",
@@ -680,3 +681,21 @@ def _allow_all_filter() -> bytes:
     finally:
         os.close(fd)
         libseccomp.seccomp_release(ctx)
+
+
+def test_a_launcher_that_never_reports_is_killed_by_the_backstop(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's own wall clock: a launcher that ignores the limit is killed, with its whole jail."""
+    require_bwrap()
+    stuck = (
+        "import os, subprocess, sys, time\nos.write(int(sys.argv[-1]), b'S')\n"
+        f"subprocess.Popen(['sleep', '{world.token}'])\ntime.sleep(60)\n"
+    )
+    monkeypatch.setattr(sandbox, "_launcher_source", lambda: stuck.encode())
+    start = time.monotonic()
+    result = run_python("print('never runs')", LIMITS)
+    seconds = time.monotonic() - start
+    assert result.timed_out and result.exit_code is None and result.error == "timed out after 2 s"
+    assert LIMITS.wall_seconds + 2.0 <= seconds < DEADLINE
+    assert _descendants(os.getpid()) - {world.victim.pid} == set() and _with_token(world.token) == []

@@ -9,7 +9,9 @@ The jail (https://github.com/containers/bubblewrap, Debian `bubblewrap`) gives t
   and the only writable place, a size-limited tmpfs at `/scratch`. No `/etc`, `/home`, `/root`,
   `/tmp` or checkout;
 - new pid, net (a loopback of its own), ipc, uts and cgroup namespaces, `--new-session` (no terminal
-  injection), `--die-with-parent`, and no nested user namespaces (`--disable-userns`);
+  injection), `--die-with-parent`, and no nested user namespaces (`--disable-userns`). The launcher is
+  the pid namespace's init (`--as-pid-1`): signals from inside cannot kill or stop it, and when it exits
+  the kernel kills every process left in the jail before bwrap itself returns;
 - a seccomp filter (built with libseccomp, which apt itself depends on) that answers EPERM to the calls
   that lead back out or into the kernel's soft spots: setns, unshare, mount, ptrace, keyctl, bpf, ...
 """
@@ -128,7 +130,10 @@ def bwrap_command(bwrap: str, python: str, scratch_bytes: int, fds: dict[str, in
         bwrap,
         *("--unshare-all", "--unshare-user", "--disable-userns", "--hostname", "jail"),
         *("--uid", str(JAIL_UID), "--gid", str(JAIL_UID), "--cap-drop", "ALL"),
-        *("--new-session", "--die-with-parent"),
+        # --as-pid-1: the launcher is the pid namespace's init, so the program cannot signal it, and bwrap
+        # returns only once it is reaped, after the kernel has killed and reaped all the rest. (With
+        # bwrap's own init, bwrap returned while the jail's leftovers were still alive.)
+        *("--new-session", "--die-with-parent", "--as-pid-1"),
         *("--ro-bind", "/usr", "/usr", *_hide_usr_local(python)),
         *_root_links(),
         *("--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"),
