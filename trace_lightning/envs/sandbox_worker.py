@@ -48,7 +48,10 @@ def _launch(config: dict[str, Any], status_fd: int) -> NoReturn:
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
     }
     os.write(status_fd, json.dumps(report).encode())
-    os._exit(0)  # in the jail, the namespace's init then exits and the kernel kills what is left
+    # In the jail this process is the pid namespace's init (bwrap --as-pid-1): as it exits, the kernel
+    # kills and reaps what the program left, daemons included. Orphans are reparented to it and stay
+    # zombies until then (counted by RLIMIT_NPROC, which only bounds the program further).
+    os._exit(0)
 
 
 def _exited_within(pid: int, seconds: float) -> bool:
