@@ -553,6 +553,7 @@ def test_hostile_program_is_contained(
     seconds = time.monotonic() - start
     assert step.tool == "python" and not step.done and step.state == (3,)
     observation = step.observation
+    assert step.tool_error == ("error: " in observation)  # a refused or killed program is a tool error
     _assert_contained(observation, seconds, world)
     if row.prelude and mode == "jail+hook":
         assert "hook disabled" in observation  # so what follows met the jail, not the hook

@@ -147,8 +147,8 @@ def _run_jailed(code: str, limits: SandboxLimits) -> SandboxResult:
         started, status = _spawn_and_wait(command, "/", limits, out, err, fds, info_read)
         if not started:
             raise JailUnavailableError(
-                f"bubblewrap could not set up the jail: {_read_bounded(err, 500, tail=True).strip()!r}. "
-                f"To fix: {INSTALL_HINT}"
+                f"bubblewrap could not set up the jail or start env.sandbox.python={limits.python!r} in it: "
+                f"{_read_bounded(err, 500, tail=True).strip()!r}. To fix: {INSTALL_HINT}"
             )
         return _result(status, limits, out, err, jailed=True)
 
@@ -188,7 +188,9 @@ def _memfd(name: str, data: bytes) -> Any:
     """An anonymous in-memory file holding `data`, read by bwrap from its start."""
     fd = os.memfd_create(f"trace-{name}")
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:  # a write may be partial
+            view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
         yield fd
     finally:
