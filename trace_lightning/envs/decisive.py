@@ -61,18 +61,18 @@ class DecisiveTask:
 
 
 def make_decisive_tasks(n: int, seed: int, first_id: int = 0) -> list[DecisiveTask]:
-    """`n` tasks drawn independently: turns 2-4, 8 or 16 letters, shift 0-3 (weights 15/25/25/35%),
-    one mistake allowed for 30%. Decisive letters leave room for the shift (no wrap-around)."""
+    """`n` tasks drawn independently: turns 2-4, 8 or 16 letters, shift 0-3 (weights 10/30/30/30%),
+    one mistake allowed for 20%. Decisive letters leave room for the shift (no wrap-around)."""
     rng = np.random.default_rng(seed)
     tasks = []
     for i in range(n):
         turns, n_letters = int(rng.integers(2, 5)), int(rng.choice([8, 16]))
-        decisive, shift = int(rng.integers(turns)), int(rng.choice(4, p=[0.15, 0.25, 0.25, 0.35]))
+        decisive, shift = int(rng.integers(turns)), int(rng.choice(4, p=[0.1, 0.3, 0.3, 0.3]))
         letters = string.ascii_uppercase[:n_letters]
         shown = [letters[int(rng.integers(n_letters))] for _ in range(turns)]
         shown[decisive] = letters[int(rng.integers(n_letters - shift))]
         tasks.append(
-            DecisiveTask(first_id + i, tuple(shown), decisive, shift, int(rng.random() < 0.3), n_letters)
+            DecisiveTask(first_id + i, tuple(shown), decisive, shift, int(rng.random() < 0.2), n_letters)
         )
     return tasks
 
