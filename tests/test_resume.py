@@ -1,6 +1,7 @@
 """Resume: corrupt checkpoints are named, `last` skips them, and a resumed run samples exactly the
 iteration an uninterrupted run would have (also after SIGKILL), continuing the same MLflow run."""
 
+import hashlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from trace_lightning import config, trainer
+from trace_lightning.checkpoint_files import Manifest, digest_path
 from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
 
 FAST = ["debug=fast", "~callbacks.progress", "budget.leaves=12"]
@@ -32,16 +34,24 @@ def iteration_trees(run_dir: Path, k: int) -> dict:
 
 def test_truncated_checkpoint_is_named_and_last_skips_it(tmp_path):
     run_dir = tmp_path / "run"
-    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=1", "logger=none"))
-    good = (run_dir / "checkpoints" / "last.ckpt").resolve()  # last.ckpt links to the iteration file
-    corrupt = run_dir / "checkpoints" / "newer.ckpt"
-    corrupt.write_bytes(good.read_bytes()[:1000])  # a save cut short
-    os.utime(corrupt, (time.time() + 10, time.time() + 10))
-    with pytest.raises(CheckpointError, match="newer.ckpt.*truncated or corrupt"):
-        validate_checkpoint(corrupt)
-    assert newest_valid_checkpoint(run_dir / "checkpoints").resolve() == good
-    with pytest.raises(CheckpointError, match="newer.ckpt"):
-        trainer.build(make_cfg(tmp_path, run_dir, f"ckpt_path={corrupt}", "logger=none"))
+    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=2", "logger=none"))
+    folder = run_dir / "checkpoints"
+    assert Manifest.read(folder).files == ["iteration-0000.ckpt", "iteration-0001.ckpt"]
+    newest = folder / "iteration-0001.ckpt"
+    assert (folder / "last.ckpt").resolve() == newest  # last.ckpt links to the newest iteration file
+    newest.write_bytes(newest.read_bytes()[:1000])  # a save cut short (its digest is now stale)
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt does not match its SHA-256 digest"):
+        validate_checkpoint(newest)
+    write_digest(newest)  # even with a matching digest, the loader names it
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt is truncated or corrupt"):
+        validate_checkpoint(newest)
+    assert newest_valid_checkpoint(folder) == folder / "iteration-0000.ckpt"
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt"):
+        trainer.build(make_cfg(tmp_path, run_dir, f"ckpt_path={newest}", "logger=none"))
+
+
+def write_digest(path: Path) -> None:
+    digest_path(path).write_text(hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def test_resumed_run_samples_the_same_next_iteration(tmp_path):
@@ -124,4 +134,6 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"state_dict": {}, "epoch": 2, "global_step": 6}, target)
     assert validate_checkpoint(target)["epoch"] == 1  # the old file, whole
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no partial file left behind
+    # no partial file left behind; the digest and the manifest are the first save's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256", "manifest.json"]
+    assert Manifest.read(tmp_path).files == ["last.ckpt"]

@@ -8,6 +8,8 @@ python -m trace_lightning.trainer experiment=grpo                  # a paper bas
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, TreeAllocator
-from trace_lightning.checkpoints import AtomicCheckpointIO, newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoint_files import Manifest
+from trace_lightning.checkpoints import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    check_resumable,
+    check_shapes,
+    newest_valid_checkpoint,
+    validate_checkpoint,
+)
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
+from trace_lightning.run_record import close_dead_run, run_in_store, write_record
 
 config.register()
 
@@ -30,7 +41,12 @@ config.register()
 def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     """Every component from its config group; nothing below receives a DictConfig."""
     L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = _checkpoint_path(cfg)  # a missing or corrupt checkpoint fails now, naming the file
+    close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
+    ckpt_path = _checkpoint_path(cfg)  # a missing, corrupt or unsafe checkpoint fails now, naming the file
+    ckpt = validate_checkpoint(ckpt_path) if ckpt_path is not None else None
+    fingerprint = config_fingerprint(cfg)
+    if ckpt is not None:
+        check_resumable(ckpt_path, ckpt, fingerprint, cfg.checkpoints.allow_config_change)
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
@@ -46,6 +62,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor_weighting=p.weighting,
         predictor_backbone=p.backbone,
         temperature=cfg.sampling.temperature,
+        max_skipped_steps=cfg.module.max_skipped_steps,
         **OmegaConf.to_container(loss),  # type: ignore[arg-type]
     )
     data = RolloutDataModule(
@@ -60,27 +77,37 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )
-    logger = _logger(cfg, allocator, env, model_path, ckpt_path)
+    if ckpt is not None:
+        check_shapes(ckpt_path, ckpt, module.state_dict())
+    logger = _logger(cfg, allocator, env, model_path, ckpt)
+    write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex  # the run a resume continues
+    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
+    if ckpt_path is not None:
+        io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
     trainer = instantiate(
-        cfg.trainer,
-        logger=logger if logger is not None else False,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
     )
     return module, data, trainer
 
 
 def _logger(
-    cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str, ckpt_path: str | None
+    cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str, ckpt: dict[str, Any] | None
 ) -> Any:
-    """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint."""
+    """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint, or, when
+    this store lacks it (a run_dir moved under another output_root), starts one tagged with its id."""
     if cfg.logger is None:
         return None
-    run_id = _checkpoint_run_id(ckpt_path)
-    if run_id is not None:
-        return instantiate(cfg.logger, run_id=run_id)
+    run_id = (ckpt or {}).get("mlflow_run_id")
+    uri = cfg.logger.get("tracking_uri")
+    if run_id is not None and (uri is None or run_in_store(uri, run_id)):
+        logger = instantiate(cfg.logger, run_id=run_id)
+        logger.experiment.update_run(run_id, status="RUNNING")  # it may have been marked KILLED
+        return logger
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
+    if run_id is not None:
+        tags["resumed_from_run"] = run_id
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
@@ -88,9 +115,10 @@ def _logger(
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last`: the newest valid checkpoint of this run_dir (resume with the same run_dir=...).
-    An explicit path is validated first, so a corrupt file fails here naming it, not deep in Lightning."""
+    """`ckpt_path=last`: the newest valid checkpoint this run_dir's run wrote (its manifest lists them).
+    `build` validates the file, so a corrupt one fails there naming it, not deep in Lightning."""
     if cfg.ckpt_path is None:
+        _refuse_foreign_folder(Path(cfg.run_dir) / "checkpoints")
         return None
     if cfg.ckpt_path == "last":
         found = newest_valid_checkpoint(Path(cfg.run_dir) / "checkpoints")
@@ -100,14 +128,41 @@ def _checkpoint_path(cfg: DictConfig) -> str | None:
                 "pass run_dir=<the run to resume>"
             )
         return str(found)
-    validate_checkpoint(cfg.ckpt_path)
     return str(cfg.ckpt_path)
 
 
-def _checkpoint_run_id(ckpt_path: str | None) -> str | None:
-    if ckpt_path is None:
-        return None
-    return validate_checkpoint(ckpt_path).get("mlflow_run_id")
+def _refuse_foreign_folder(directory: Path) -> None:
+    """A fresh run must not mix its checkpoints with those of the run that owns this folder."""
+    manifest = Manifest.read(directory)
+    if manifest is not None and manifest.files:
+        raise CheckpointError(
+            "foreign_run",
+            f"{directory} already holds checkpoints of another run ({manifest.files[-1]}, ...); "
+            "resume it with ckpt_path=last, or start this run in another run_dir=",
+        )
+
+
+FINGERPRINT_GROUPS = ("model", "adapter", "allocator", "env", "predictor")
+
+
+def config_fingerprint(cfg: DictConfig) -> dict[str, str]:
+    """The config groups a checkpoint's weights and state depend on, as canonical JSON. Paths under
+    run_dir or output_root are written relative to them, so a moved run_dir keeps its fingerprint."""
+    places = {
+        str(Path(cfg.run_dir).resolve()): "${run_dir}",
+        str(cfg.run_dir): "${run_dir}",
+        str(Path(cfg.output_root).resolve()): "${output_root}",
+    }
+    out = {}
+    for key in FINGERPRINT_GROUPS:
+        node = cfg.get(key)
+        text = json.dumps(
+            OmegaConf.to_container(node, resolve=True) if node is not None else None, sort_keys=True
+        )
+        for place, name in places.items():
+            text = text.replace(place, name)
+        out[key] = text
+    return out
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -125,7 +180,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, and return the final metrics (for sweeps and notebooks)."""
     module, data, trainer = build(cfg)
-    trainer.fit(module, datamodule=data, ckpt_path=_checkpoint_path(cfg))
+    trainer.fit(module, datamodule=data, ckpt_path=trainer.strategy.checkpoint_io.resume_from)
     _say_where(trainer, cfg)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
