@@ -10,7 +10,9 @@ run killed before its first checkpoint, which no resume would ever reopen.
   `model_path` moves with it). A param already logged keeps its first value; a changed one is kept as
   the tag `resumed/<key>`, instead of MLflow's "Changing param values" error.
 - A kill mid-iteration has logged steps past the checkpoint the run resumes from; resume is exact, so
-  the resumed run logs the same steps again. A (metric, step) already in the run is not logged twice.
+  the resumed run logs the same steps again. A (metric, step) already in the run is not logged twice,
+  which keeps one value per metric and step (also for Lightning's `epoch`, which it logs twice at an
+  epoch's last step: with the step metrics and with the epoch metrics, the same value).
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Any, step: int | None = None) -> None:
-        upto = self._steps_already_logged()
-        fresh = {k: v for k, v in metrics.items() if (step or 0) > upto.get(self._prefixed(k), -1)}
+        upto, step = self._steps_already_logged(), step or 0
+        fresh = {k: v for k, v in metrics.items() if step > upto.get(self._prefixed(k), -1)}
+        upto.update({self._prefixed(k): step for k in fresh})
         if fresh:
             super().log_metrics(fresh, step)
 
