@@ -310,3 +310,27 @@ def test_numpy_state_is_saved_as_plain_python_and_loads_safely(tmp_path: Path) -
     restored = np.random.default_rng()
     restored.bit_generator.state = loaded["rng"]  # numpy's RNG state (big ints) round-trips exactly
     assert restored.integers(2**62) == np.random.default_rng(3).integers(2**62)
+
+
+def test_a_resumed_run_prunes_the_checkpoint_it_started_from_once_superseded(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=2"))
+    folder = run_dir / "checkpoints"
+    assert Manifest.read(folder).files == ["iteration-0000.ckpt", "iteration-0001.ckpt"]
+    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=4", "ckpt_path=last"))  # from 0001
+    assert Manifest.read(folder).files == ["iteration-0002.ckpt", "iteration-0003.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == [
+        "iteration-0002.ckpt",
+        "iteration-0003.ckpt",
+        "last.ckpt",
+    ]
+    assert (folder / "last.ckpt").resolve() == folder / "iteration-0003.ckpt"
+
+
+def test_checkpoint_and_skip_limits_reach_their_owners(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, tmp_path / "run", "checkpoints.keep_last=5", "module.max_skipped_steps=3")
+    module, _, fit = trainer.build(cfg)
+    assert module.hparams["max_skipped_steps"] == 3
+    assert fit.strategy.checkpoint_io.keep_last == 5
+    with pytest.raises(ValueError, match=r"checkpoints.keep_last=0 must be >= 1"):
+        trainer.build(make_cfg(tmp_path, tmp_path / "run", "checkpoints.keep_last=0"))
