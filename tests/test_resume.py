@@ -103,6 +103,33 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
     assert len(runs) == 2  # straight + killed; the resume continued the killed run instead of a third
+    by_name = {Path(r.data.params["run_dir"]).name: r for r in runs}
+    straight_run, killed_run = by_name["straight"].info.run_id, by_name["killed"].info.run_id
+    assert client.get_run(killed_run).info.status == "FINISHED"
+    for key in client.get_run(killed_run).data.metrics:  # the killed iteration's steps were logged once
+        steps = [m.step for m in client.get_metric_history(killed_run, key)]
+        assert len(steps) == len(set(steps)), f"{key}: a step logged twice"
+    loss = {m.step: m.value for m in client.get_metric_history(killed_run, "train/loss")}
+    assert loss == {m.step: m.value for m in client.get_metric_history(straight_run, "train/loss")}
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_on_the_next_start(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli(tmp_path, run_dir, "trainer.max_epochs=4", "budget.leaves=24", "data.pool_size=16")
+    deadline = time.time() + 300
+    while not (run_dir / "process.json").exists():  # the MLflow run exists once this is written
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "checkpoints" / "manifest.json").exists()  # killed before its first checkpoint
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    orphan = json.loads((run_dir / "process.json").read_text())["mlflow_run_id"]
+    assert client.get_run(orphan).info.status == "RUNNING"
+    again = cli(tmp_path, run_dir, "trainer.max_epochs=1")  # nothing to resume: a fresh start
+    assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
+    assert client.get_run(orphan).info.status == "KILLED"
 
 
 @pytest.mark.slow
