@@ -23,13 +23,8 @@ from hydra import compose, initialize_config_dir
 
 from trace_lightning import config, trainer
 from trace_lightning.checkpoint_files import Manifest, clean_stale_temps, digest_path
-from trace_lightning.checkpoints import (
-    AtomicCheckpointIO,
-    CheckpointError,
-    newest_valid_checkpoint,
-    plain_state,
-    validate_checkpoint,
-)
+from trace_lightning.checkpoint_io import AtomicCheckpointIO, plain_state
+from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
 
 FAST = ["debug=fast", "~callbacks.progress", "logger=none"]
 
@@ -334,3 +329,13 @@ def test_checkpoint_and_skip_limits_reach_their_owners(tmp_path: Path) -> None:
     assert fit.strategy.checkpoint_io.keep_last == 5
     with pytest.raises(ValueError, match=r"checkpoints.keep_last=0 must be >= 1"):
         trainer.build(make_cfg(tmp_path, tmp_path / "run", "checkpoints.keep_last=0"))
+
+
+@pytest.mark.parametrize("value", [{1, 2}, torch.device("cpu"), Path("x")], ids=["set", "device", "path"])
+def test_state_the_loader_would_refuse_fails_at_save_not_at_resume(tmp_path: Path, value: object) -> None:
+    io = AtomicCheckpointIO(run="r")
+    with pytest.raises(CheckpointError, match=r"cannot save .*a.ckpt: the checkpoint holds a '.+'"):
+        io.save_checkpoint(
+            {"state_dict": {}, "epoch": 0, "global_step": 0, "dm": {"x": value}}, tmp_path / "a.ckpt"
+        )
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file

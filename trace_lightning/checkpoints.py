@@ -12,10 +12,9 @@ What else is checked before use (`validate_checkpoint`), each failure a `Checkpo
 keys, and that no weight or optimizer tensor is NaN or inf. `check_resumable` then compares the
 config fingerprint (model, adapter, allocator, env, predictor) and the weight shapes with this run's.
 
-`AtomicCheckpointIO` writes each checkpoint to a temporary file in the same directory, renames it into
-place, writes its digest, lists it in the folder's manifest (`checkpoint_files.Manifest`) and prunes
-all but the newest `keep_last`. `newest_valid_checkpoint` (`ckpt_path=last`) considers only files in
-the manifest, so another run's file in the folder is never chosen.
+`checkpoint_io.AtomicCheckpointIO` writes each checkpoint atomically with its digest, lists it in the
+folder's manifest (`checkpoint_files.Manifest`) and prunes old ones. `newest_valid_checkpoint`
+(`ckpt_path=last`) considers only files in the manifest, so another run's file there is never chosen.
 
 Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
 weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
@@ -27,27 +26,16 @@ iteration; resuming from it drops the rest of that iteration's batches (see
 
 from __future__ import annotations
 
-import os
 import pickletools
-import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from trace_lightning.checkpoint_files import (
-    Manifest,
-    clean_stale_temps,
-    digest_path,
-    sha256_file,
-    temp_path,
-    write_atomic,
-)
+from trace_lightning.checkpoint_files import Manifest, digest_path, sha256_file
 
 REQUIRED_KEYS = ("state_dict", "epoch", "global_step")
 _STORAGES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool")
@@ -96,7 +84,7 @@ def validate_checkpoint(path: str | Path) -> dict[str, Any]:
             "not_lightning", f"checkpoint {path} is not a Lightning checkpoint (missing {missing})"
         )
     _check_finite(path, ckpt)
-    return ckpt
+    return dict(ckpt)
 
 
 def _check_digest(path: Path) -> None:
@@ -117,13 +105,22 @@ def _check_digest(path: Path) -> None:
 
 def _check_pickle(path: Path) -> None:
     """Refuse any global outside ALLOWED_GLOBALS; pickletools only parses, it never executes."""
+    refused = refused_global(path)
+    if refused is not None:
+        raise CheckpointError(
+            "unsafe_pickle",
+            f"checkpoint {path} refused: its pickle imports {refused!r}, which no checkpoint of this "
+            "trainer holds (it may be a planted file that would run code); delete it",
+        )
+
+
+def refused_global(path: Path) -> str | None:
+    """The first import in the checkpoint's pickle that is not allow-listed, or None."""
     try:
         with zipfile.ZipFile(path) as archive:
             pickles = [n for n in archive.namelist() if n.endswith(".pkl")]
             if len(pickles) != 1 or not pickles[0].endswith("/data.pkl"):
-                raise CheckpointError(
-                    "unsafe_pickle", f"checkpoint {path} is not a torch.save archive (pickles: {pickles})"
-                )
+                return f"<an archive with pickles {pickles}, not one torch.save wrote>"
             ops = list(pickletools.genops(archive.read(pickles[0])))
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
         raise CheckpointError(
@@ -131,11 +128,8 @@ def _check_pickle(path: Path) -> None:
         ) from err
     for op, arg, _ in ops:
         if op.name in _REFUSED_OPCODES or (op.name == "GLOBAL" and arg not in ALLOWED_GLOBALS):
-            raise CheckpointError(
-                "unsafe_pickle",
-                f"checkpoint {path} refused: its pickle imports {arg or op.name!r}, which no checkpoint "
-                "of this trainer holds (it may be a planted file that would run code); delete it",
-            )
+            return str(arg or op.name)
+    return None
 
 
 def _check_finite(path: Path, ckpt: dict[str, Any]) -> None:
@@ -216,18 +210,6 @@ def newest_valid_checkpoint(directory: str | Path) -> Path | None:
     return None
 
 
-def plain_state(obj: Any) -> Any:
-    """numpy values as plain Python (exact: int64 and float64 are Python's int and float), so the file
-    needs no numpy globals; lists and dicts are rebuilt, tensors kept."""
-    if isinstance(obj, np.ndarray | np.generic):
-        return obj.tolist()
-    if isinstance(obj, dict):
-        return type(obj)((k, plain_state(v)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(plain_state(v) for v in obj)
-    return obj
-
-
 class SaveOnSigterm(L.Callback):
     """On SIGTERM Lightning stops at the next batch boundary with a SIGTERMException; save first."""
 
@@ -240,87 +222,3 @@ class SaveOnSigterm(L.Callback):
         if isinstance(exception, SIGTERMException):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             trainer.save_checkpoint(self.dirpath / "sigterm.ckpt")
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Save: torch.save to `.<file>.tmp-<pid>`, fsync, rename; then digest, manifest, pruning.
-    Load: `validate_checkpoint`, whatever `weights_only` Lightning asks for.
-
-    Args:
-        run: the id of the run that owns the checkpoint folder (kept across resumes).
-        fingerprint: this run's config fingerprint, stored in every checkpoint.
-        keep_last: how many of the run's newest checkpoints to keep (None: all).
-    """
-
-    def __init__(
-        self, run: str | None = None, fingerprint: dict[str, str] | None = None, keep_last: int | None = None
-    ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"checkpoints.keep_last={keep_last} must be >= 1 (or null to keep all)")
-        self.run, self.fingerprint, self.keep_last = run or uuid.uuid4().hex, fingerprint, keep_last
-        self.resume_from: str | None = None  # the checkpoint this run starts from (set by trainer.build)
-        self._validated: tuple[tuple[str, tuple[int, int, int]], dict[str, Any]] | None = None
-
-    def remember(self, path: str | Path, ckpt: dict[str, Any]) -> str:
-        """Keep a checkpoint `validate_checkpoint` returned, so loading the unchanged file reuses it."""
-        self._validated = ((str(path), _stamp(path)), ckpt)
-        return str(path)
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
-    ) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale_temps(path.parent)
-        checkpoint = {
-            **plain_state(checkpoint),
-            "trace_run": {"run": self.run, "fingerprint": self.fingerprint},
-        }
-        tmp = temp_path(path)
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            digest = sha256_file(tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        # a crash here leaves a file without a matching digest: refused, and `last` takes the one before
-        write_atomic(digest_path(path), f"{digest}\n".encode())
-        self._record(path)
-
-    def _record(self, path: Path) -> None:
-        manifest = Manifest.read(path.parent)
-        if manifest is None or manifest.run != self.run:
-            manifest = Manifest(self.run)
-        manifest.add(path.name)
-        pruned = manifest.files[: -self.keep_last] if self.keep_last else []
-        manifest.files = [f for f in manifest.files if f not in pruned]
-        manifest.write(path.parent)  # first, so that a crash below leaves files unlisted, never listed-gone
-        for name in pruned:
-            _unlink_with_digest(path.parent / name)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        path = Path(path)
-        manifest = Manifest.read(path.parent)
-        if manifest is not None and path.name in manifest.files:
-            manifest.files.remove(path.name)
-            manifest.write(path.parent)
-        _unlink_with_digest(path)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if self._validated is not None and self._validated[0] == (str(path), _stamp(path)):
-            return self._validated[1]
-        return validate_checkpoint(path)
-
-
-def _stamp(path: str | Path) -> tuple[int, int, int]:
-    """Inode, size and mtime: a file replaced or rewritten since it was validated has another stamp."""
-    st = Path(path).stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _unlink_with_digest(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    digest_path(path).unlink(missing_ok=True)

@@ -32,9 +32,14 @@ from trace_lightning.checkpoint_files import pid_alive, write_atomic
 RECORD = "process.json"
 
 
+def _rank() -> int:
+    """The global rank Lightning read from the environment (0 outside multi-process training)."""
+    return int(getattr(rank_zero_only, "rank", 0))
+
+
 def write_record(run_dir: Path, mlflow_run_id: str | None, tracking_uri: str | None) -> None:
     """Who runs `run_dir` now (rank zero only: it is the process that owns the MLflow run)."""
-    if rank_zero_only.rank != 0:
+    if _rank() != 0:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "mlflow_run_id": mlflow_run_id}
@@ -44,7 +49,7 @@ def write_record(run_dir: Path, mlflow_run_id: str | None, tracking_uri: str | N
 def close_dead_run(run_dir: Path) -> str | None:
     """Mark the MLflow run of a dead process KILLED; the run id it closed, or None."""
     path = run_dir / RECORD
-    if rank_zero_only.rank != 0 or not path.is_file():
+    if _rank() != 0 or not path.is_file():
         return None
     record = json.loads(path.read_text())
     run_id, uri = record.get("mlflow_run_id"), record.get("tracking_uri")

@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.checkpoint_files import Manifest
+from trace_lightning.checkpoint_io import AtomicCheckpointIO
 from trace_lightning.checkpoints import (
-    AtomicCheckpointIO,
     CheckpointError,
     check_resumable,
     check_shapes,
