@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import OverrideParseException
 
 from trace_lightning import config, trainer
 from trace_lightning.checkpoint_files import Manifest, clean_stale_temps, digest_path
@@ -339,3 +340,10 @@ def test_state_the_loader_would_refuse_fails_at_save_not_at_resume(tmp_path: Pat
             {"state_dict": {}, "epoch": 0, "global_step": 0, "dm": {"x": value}}, tmp_path / "a.ckpt"
         )
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
+
+
+def test_checkpoint_names_pass_hydras_override_parser_unquoted(trained: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, tmp_path / "run", f"ckpt_path={trained}")
+    assert cfg.ckpt_path == str(trained)
+    with pytest.raises(OverrideParseException):  # the old name, iteration-epoch=0000.ckpt, needed quotes
+        make_cfg(tmp_path, tmp_path / "run", f"ckpt_path={trained.parent}/iteration-epoch=0000.ckpt")
