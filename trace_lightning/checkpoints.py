@@ -93,7 +93,8 @@ def _check_digest(path: Path) -> None:
         raise CheckpointError(
             "no_digest",
             f"checkpoint {path} has no digest {digest.name} beside it, so it was not written by this "
-            "trainer (or its save was cut short); resume from another file (ckpt_path=last)",
+            "trainer (or its save was cut short); resume from another file (ckpt_path=last), or, for a "
+            f"file you trust, write one: sha256sum {path} | cut -d' ' -f1 > {digest}",
         )
     if digest.read_text().strip() != sha256_file(path):
         raise CheckpointError(
