@@ -84,3 +84,18 @@ def test_resume_into_a_moved_run_dir_continues_the_run_without_duplicate_steps(t
     steps_after = max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
     assert steps_after > steps_before  # the third iteration was logged
     assert json.loads((moved / RECORD).read_text())["mlflow_run_id"] == run.info.run_id
+
+
+def test_resume_under_another_output_root_starts_a_run_that_names_the_one_it_continues(
+    tmp_path: Path,
+) -> None:
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    trainer.train(make_cfg(old_root, old_root / "run", "trainer.max_epochs=1"))
+    old = client_for(old_root)
+    (first,) = old.search_runs([old.get_experiment_by_name("trace_lightning").experiment_id])
+    start = old_root / "run" / "checkpoints" / "iteration-0000.ckpt"
+    trainer.train(make_cfg(new_root, new_root / "run", "trainer.max_epochs=2", f"ckpt_path={start}"))
+    new = client_for(new_root)  # the new store does not hold the first run, so a new one continues it
+    (second,) = new.search_runs([new.get_experiment_by_name("trace_lightning").experiment_id])
+    assert second.data.tags["resumed_from_run"] == first.info.run_id
+    assert second.info.status == "FINISHED"

@@ -42,11 +42,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     """Every component from its config group; nothing below receives a DictConfig."""
     L.seed_everything(cfg.seed, workers=True)
     close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
-    ckpt_path = _checkpoint_path(cfg)  # a missing, corrupt or unsafe checkpoint fails now, naming the file
-    ckpt = validate_checkpoint(ckpt_path) if ckpt_path is not None else None
-    fingerprint = config_fingerprint(cfg)
-    if ckpt is not None:
-        check_resumable(ckpt_path, ckpt, fingerprint, cfg.checkpoints.allow_config_change)
+    ckpt_path, ckpt, fingerprint = _resume_point(cfg)
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
@@ -77,19 +73,38 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )
-    if ckpt is not None:
+    if ckpt_path is not None and ckpt is not None:
         check_shapes(ckpt_path, ckpt, module.state_dict())
     logger = _logger(cfg, allocator, env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
-    run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex  # the run a resume continues
-    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
-    if ckpt_path is not None:
-        io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
     trainer = instantiate(
         cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
     )
     return module, data, trainer
+
+
+def _resume_point(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None, dict[str, str]]:
+    """The checkpoint to start from (None: a fresh run), validated and checked against this config, so
+    a missing, corrupt, unsafe or mismatched checkpoint fails now, naming the file; and the fingerprint."""
+    ckpt_path = _checkpoint_path(cfg)
+    ckpt = validate_checkpoint(ckpt_path) if ckpt_path is not None else None
+    fingerprint = config_fingerprint(cfg)
+    if ckpt_path is not None and ckpt is not None:
+        check_resumable(ckpt_path, ckpt, fingerprint, cfg.checkpoints.allow_config_change)
+    return ckpt_path, ckpt, fingerprint
+
+
+def _checkpoint_io(
+    cfg: DictConfig, ckpt_path: str | None, ckpt: dict[str, Any] | None, fingerprint: dict[str, str]
+) -> AtomicCheckpointIO:
+    """The plugin that writes this run's checkpoints; a resume keeps the run id of the one it starts from."""
+    run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex
+    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
+    if ckpt_path is not None and ckpt is not None:
+        io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
+    return io
 
 
 def _logger(
@@ -180,7 +195,10 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, and return the final metrics (for sweeps and notebooks)."""
     module, data, trainer = build(cfg)
-    trainer.fit(module, datamodule=data, ckpt_path=trainer.strategy.checkpoint_io.resume_from)
+    io = trainer.strategy.checkpoint_io
+    trainer.fit(
+        module, datamodule=data, ckpt_path=io.resume_from if isinstance(io, AtomicCheckpointIO) else None
+    )
     _say_where(trainer, cfg)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
