@@ -70,7 +70,7 @@ def validate_checkpoint(path: str | Path) -> dict[str, Any]:
     _check_digest(path)
     _check_pickle(path)
     try:
-        # mmap: tensors stay on disk, so loading a multi-GB checkpoint costs an index read, not a copy
+        # mmap (copy-on-write): tensors are not copied into memory; the digest and NaN checks read them once
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # truncated zip, bad pickle, wrong format: all mean the same to the user
         raise CheckpointError(
