@@ -31,7 +31,7 @@ from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.losses import clipped_surrogate
-from trace_lightning.module import TraceModule
+from trace_lightning.module import NonFiniteTrainingError, TraceModule
 from trace_lightning.runner import (
     TRUNCATION_MARK,
     ReActRunner,
@@ -383,6 +383,41 @@ def test_nan_gradient_skips_the_update_and_is_logged(module: TraceModule):
     assert probe.moved == [False, False, False]
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
     assert not trainer.optimizers[0].state  # AdamW saw no grad at all: no moments, no step count
+
+
+SKIP_MESSAGE = (
+    r"optimizer steps in a row .*learning rate.*corrupt checkpoint.*fp16 overflow.*module.max_skipped_steps="
+)
+
+
+def test_consecutive_nonfinite_gradients_stop_training_naming_the_causes(tiny_model_dir: str):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, max_skipped_steps=2)
+    weight = module.policy.model.layers[0].mlp.up_proj.weight
+    weight.register_hook(lambda grad: torch.full_like(grad, math.nan))
+    probe = Probe()
+    with pytest.raises(NonFiniteTrainingError, match="^2 " + SKIP_MESSAGE + "2"):
+        fit(module, chain_data(), probe)
+    assert probe.skipped_grad == [1.0]  # the second skipped step raised before its batch ended
+
+
+@pytest.mark.filterwarnings("ignore:.*returned `None`")
+def test_consecutive_nonfinite_losses_stop_training(tiny_model_dir: str):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, max_skipped_steps=3)
+    probe = Probe(poison=lambda i: True)  # every batch: NaN loss, so no step has a gradient
+    with pytest.raises(NonFiniteTrainingError, match="^3 " + SKIP_MESSAGE + "3"):
+        fit(module, chain_data(), probe)
+    assert probe.skipped == [1.0, 1.0]
+
+
+@pytest.mark.filterwarnings("ignore:.*returned `None`")
+def test_skipped_steps_that_are_not_consecutive_do_not_stop_training(tiny_model_dir: str):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, max_skipped_steps=2)
+    probe = Probe(poison=lambda i: i in (0, 2))  # skipped, trained, skipped: never 2 in a row
+    trainer = fit(module, chain_data(), probe)
+    assert probe.skipped == [1.0, 0.0, 1.0] and trainer.global_step == 3
 
 
 # --------------------------------------------------------------------------- no contrast at all

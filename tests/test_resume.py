@@ -1,6 +1,7 @@
 """Resume: corrupt checkpoints are named, `last` skips them, and a resumed run samples exactly the
 iteration an uninterrupted run would have (also after SIGKILL), continuing the same MLflow run."""
 
+import hashlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from trace_lightning import config, trainer
+from trace_lightning.checkpoint_files import Manifest, digest_path
 from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
 
 FAST = ["debug=fast", "~callbacks.progress", "budget.leaves=12"]
@@ -32,16 +34,24 @@ def iteration_trees(run_dir: Path, k: int) -> dict:
 
 def test_truncated_checkpoint_is_named_and_last_skips_it(tmp_path):
     run_dir = tmp_path / "run"
-    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=1", "logger=none"))
-    good = (run_dir / "checkpoints" / "last.ckpt").resolve()  # last.ckpt links to the iteration file
-    corrupt = run_dir / "checkpoints" / "newer.ckpt"
-    corrupt.write_bytes(good.read_bytes()[:1000])  # a save cut short
-    os.utime(corrupt, (time.time() + 10, time.time() + 10))
-    with pytest.raises(CheckpointError, match="newer.ckpt.*truncated or corrupt"):
-        validate_checkpoint(corrupt)
-    assert newest_valid_checkpoint(run_dir / "checkpoints").resolve() == good
-    with pytest.raises(CheckpointError, match="newer.ckpt"):
-        trainer.build(make_cfg(tmp_path, run_dir, f"ckpt_path={corrupt}", "logger=none"))
+    trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=2", "logger=none"))
+    folder = run_dir / "checkpoints"
+    assert Manifest.read(folder).files == ["iteration-0000.ckpt", "iteration-0001.ckpt"]
+    newest = folder / "iteration-0001.ckpt"
+    assert (folder / "last.ckpt").resolve() == newest  # last.ckpt links to the newest iteration file
+    newest.write_bytes(newest.read_bytes()[:1000])  # a save cut short (its digest is now stale)
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt does not match its SHA-256 digest"):
+        validate_checkpoint(newest)
+    write_digest(newest)  # even with a matching digest, the loader names it
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt is truncated or corrupt"):
+        validate_checkpoint(newest)
+    assert newest_valid_checkpoint(folder) == folder / "iteration-0000.ckpt"
+    with pytest.raises(CheckpointError, match="iteration-0001.ckpt"):
+        trainer.build(make_cfg(tmp_path, run_dir, f"ckpt_path={newest}", "logger=none"))
+
+
+def write_digest(path: Path) -> None:
+    digest_path(path).write_text(hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def test_resumed_run_samples_the_same_next_iteration(tmp_path):
@@ -93,6 +103,33 @@ def test_sigkill_mid_run_then_resume_matches_an_uninterrupted_run(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
     assert len(runs) == 2  # straight + killed; the resume continued the killed run instead of a third
+    by_name = {Path(r.data.params["run_dir"]).name: r for r in runs}
+    straight_run, killed_run = by_name["straight"].info.run_id, by_name["killed"].info.run_id
+    assert client.get_run(killed_run).info.status == "FINISHED"
+    for key in client.get_run(killed_run).data.metrics:  # the killed iteration's steps were logged once
+        steps = [m.step for m in client.get_metric_history(killed_run, key)]
+        assert len(steps) == len(set(steps)), f"{key}: a step logged twice"
+    loss = {m.step: m.value for m in client.get_metric_history(killed_run, "train/loss")}
+    assert loss == {m.step: m.value for m in client.get_metric_history(straight_run, "train/loss")}
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_marked_killed_on_the_next_start(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli(tmp_path, run_dir, "trainer.max_epochs=4", "budget.leaves=24", "data.pool_size=16")
+    deadline = time.time() + 300
+    while not (run_dir / "process.json").exists():  # the MLflow run exists once this is written
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "checkpoints" / "manifest.json").exists()  # killed before its first checkpoint
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    orphan = json.loads((run_dir / "process.json").read_text())["mlflow_run_id"]
+    assert client.get_run(orphan).info.status == "RUNNING"
+    again = cli(tmp_path, run_dir, "trainer.max_epochs=1")  # nothing to resume: a fresh start
+    assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
+    assert client.get_run(orphan).info.status == "KILLED"
 
 
 @pytest.mark.slow
@@ -110,7 +147,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    from trace_lightning.checkpoints import AtomicCheckpointIO
+    from trace_lightning.checkpoint_io import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     target = tmp_path / "last.ckpt"
@@ -120,8 +157,10 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path,
         f.write(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt  # the process is killed while writing
 
-    monkeypatch.setattr("trace_lightning.checkpoints.torch.save", dies_midway)
+    monkeypatch.setattr("trace_lightning.checkpoint_io.torch.save", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"state_dict": {}, "epoch": 2, "global_step": 6}, target)
     assert validate_checkpoint(target)["epoch"] == 1  # the old file, whole
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no partial file left behind
+    # no partial file left behind; the digest and the manifest are the first save's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256", "manifest.json"]
+    assert Manifest.read(tmp_path).files == ["last.ckpt"]

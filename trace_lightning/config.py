@@ -83,6 +83,17 @@ class SelectionConfig:
 
 
 @dataclass
+class CheckpointsConfig:
+    keep_last: int | None = 2
+    allow_config_change: bool = False
+
+
+@dataclass
+class ModuleConfig:
+    max_skipped_steps: int | None = MISSING  # conf/train.yaml owns the default
+
+
+@dataclass
 class AdvantageConfig:
     estimator: str = "tree_grpo"
 
@@ -94,6 +105,8 @@ class TrainConfig:
     output_root: str = "outputs"
     run_dir: str = MISSING
     ckpt_path: str | None = None
+    checkpoints: CheckpointsConfig = field(default_factory=CheckpointsConfig)
+    module: ModuleConfig = field(default_factory=ModuleConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -26,6 +26,10 @@ from trace_lightning.tree import RolloutTree
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """Training stopped: too many optimizer steps in a row were non-finite (see module.max_skipped_steps)."""
+
+
 class TraceModule(L.LightningModule):
     def __init__(
         self,
@@ -48,8 +52,13 @@ class TraceModule(L.LightningModule):
         predictor_standardize: bool = False,
         predictor_posterior_features: bool = False,
         temperature: float = 1.0,
+        max_skipped_steps: int | None = None,
     ) -> None:
         super().__init__()
+        if max_skipped_steps is not None and max_skipped_steps < 1:
+            raise ValueError(
+                f"module.max_skipped_steps={max_skipped_steps} must be >= 1 (or null: never stop)"
+            )
         if temperature <= 0:
             raise ValueError(f"sampling.temperature={temperature} must be > 0")
         if predictor_weighting not in ("leaves", "uniform"):
@@ -80,6 +89,7 @@ class TraceModule(L.LightningModule):
             extra=POSTERIOR_FEATURES if predictor_posterior_features else 0,
             standardize=predictor_standardize,
         )
+        self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
 
     def _load_companion(self, path: str) -> torch.nn.Module:
         companion = self._load_policy(path, None).requires_grad_(False).eval()
@@ -274,6 +284,7 @@ class TraceModule(L.LightningModule):
         # still runs changes no weight (with accumulation, the window's other micro-batches still count).
         finite = torch.isfinite(loss)
         metrics["train/skipped_nonfinite"] = (~finite).float()
+        self._loss_skipped = self._loss_skipped or not bool(finite)
         self.log_dict(metrics, batch_size=batch.input_ids.shape[0])
         return loss if bool(finite) else None
 
@@ -288,6 +299,20 @@ class TraceModule(L.LightningModule):
         self.log("train/skipped_nonfinite_grad", float(not finite))
         if not finite:
             optimizer.zero_grad(set_to_none=True)
+        self._count_skipped(not finite or (self._loss_skipped and not grads))
+
+    def _count_skipped(self, skipped: bool) -> None:
+        """One skipped step is a bad batch; many in a row mean training has broken, so stop and say why."""
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
+        self._loss_skipped = False
+        limit = self.hparams["max_skipped_steps"]
+        if limit is not None and self._skipped_in_a_row >= limit:
+            raise NonFiniteTrainingError(
+                f"{self._skipped_in_a_row} optimizer steps in a row were skipped for NaN/inf loss or "
+                "gradients. Likely causes: a learning rate too high (optimizer.lr), a corrupt checkpoint "
+                "resumed from (ckpt_path), or fp16 overflow (trainer.precision: use bf16-mixed or 32-true). "
+                f"The limit is module.max_skipped_steps={limit}."
+            )
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

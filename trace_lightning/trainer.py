@@ -8,6 +8,8 @@ python -m trace_lightning.trainer experiment=grpo                  # a paper bas
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,11 +21,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, TreeAllocator
-from trace_lightning.checkpoints import AtomicCheckpointIO, newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoint_files import Manifest
+from trace_lightning.checkpoint_io import AtomicCheckpointIO
+from trace_lightning.checkpoints import (
+    CheckpointError,
+    check_resumable,
+    check_shapes,
+    newest_valid_checkpoint,
+    validate_checkpoint,
+)
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
 from trace_lightning.predictor import PredictorFit
+from trace_lightning.run_record import close_dead_run, run_in_store, write_record
 from trace_lightning.selection import Selection
 
 config.register()
@@ -32,7 +43,8 @@ config.register()
 def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     """Every component from its config group; nothing below receives a DictConfig."""
     L.seed_everything(cfg.seed, workers=True)
-    ckpt_path = _checkpoint_path(cfg)  # a missing or corrupt checkpoint fails now, naming the file
+    close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
+    ckpt_path, ckpt, fingerprint = _resume_point(cfg)
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
@@ -50,6 +62,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor_standardize=p.standardize,
         predictor_posterior_features=p.posterior_features,
         temperature=cfg.sampling.temperature,
+        max_skipped_steps=cfg.module.max_skipped_steps,
         **OmegaConf.to_container(loss),  # type: ignore[arg-type]
     )
     data = RolloutDataModule(
@@ -68,27 +81,56 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         seed=cfg.seed,
         **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
     )
-    logger = _logger(cfg, allocator, env, model_path, ckpt_path)
+    if ckpt_path is not None and ckpt is not None:
+        check_shapes(ckpt_path, ckpt, module.state_dict())
+    logger = _logger(cfg, allocator, env, model_path, ckpt)
+    write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
     trainer = instantiate(
-        cfg.trainer,
-        logger=logger if logger is not None else False,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
     )
     return module, data, trainer
 
 
+def _resume_point(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None, dict[str, str]]:
+    """The checkpoint to start from (None: a fresh run), validated and checked against this config, so
+    a missing, corrupt, unsafe or mismatched checkpoint fails now, naming the file; and the fingerprint."""
+    ckpt_path = _checkpoint_path(cfg)
+    ckpt = validate_checkpoint(ckpt_path) if ckpt_path is not None else None
+    fingerprint = config_fingerprint(cfg)
+    if ckpt_path is not None and ckpt is not None:
+        check_resumable(ckpt_path, ckpt, fingerprint, cfg.checkpoints.allow_config_change)
+    return ckpt_path, ckpt, fingerprint
+
+
+def _checkpoint_io(
+    cfg: DictConfig, ckpt_path: str | None, ckpt: dict[str, Any] | None, fingerprint: dict[str, str]
+) -> AtomicCheckpointIO:
+    """The plugin that writes this run's checkpoints; a resume keeps the run id of the one it starts from."""
+    run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex
+    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
+    if ckpt_path is not None and ckpt is not None:
+        io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
+    return io
+
+
 def _logger(
-    cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str, ckpt_path: str | None
+    cfg: DictConfig, allocator: TreeAllocator, env: Any, model_path: str, ckpt: dict[str, Any] | None
 ) -> Any:
-    """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint."""
+    """MLflow by default; a resumed run continues the MLflow run recorded in its checkpoint, or, when
+    this store lacks it (a run_dir moved under another output_root), starts one tagged with its id."""
     if cfg.logger is None:
         return None
-    run_id = _checkpoint_run_id(ckpt_path)
-    if run_id is not None:
-        return instantiate(cfg.logger, run_id=run_id)
+    run_id = (ckpt or {}).get("mlflow_run_id")
+    uri = cfg.logger.get("tracking_uri")
+    if run_id is not None and (uri is None or run_in_store(uri, run_id)):
+        logger = instantiate(cfg.logger, run_id=run_id)
+        logger.experiment.update_run(run_id, status="RUNNING")  # it may have been marked KILLED
+        return logger
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
+    if run_id is not None:
+        tags["resumed_from_run"] = run_id
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
@@ -96,9 +138,10 @@ def _logger(
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last`: the newest valid checkpoint of this run_dir (resume with the same run_dir=...).
-    An explicit path is validated first, so a corrupt file fails here naming it, not deep in Lightning."""
+    """`ckpt_path=last`: the newest valid checkpoint this run_dir's run wrote (its manifest lists them).
+    `build` validates the file, so a corrupt one fails there naming it, not deep in Lightning."""
     if cfg.ckpt_path is None:
+        _refuse_foreign_folder(Path(cfg.run_dir) / "checkpoints")
         return None
     if cfg.ckpt_path == "last":
         found = newest_valid_checkpoint(Path(cfg.run_dir) / "checkpoints")
@@ -108,14 +151,41 @@ def _checkpoint_path(cfg: DictConfig) -> str | None:
                 "pass run_dir=<the run to resume>"
             )
         return str(found)
-    validate_checkpoint(cfg.ckpt_path)
     return str(cfg.ckpt_path)
 
 
-def _checkpoint_run_id(ckpt_path: str | None) -> str | None:
-    if ckpt_path is None:
-        return None
-    return validate_checkpoint(ckpt_path).get("mlflow_run_id")
+def _refuse_foreign_folder(directory: Path) -> None:
+    """A fresh run must not mix its checkpoints with those of the run that owns this folder."""
+    manifest = Manifest.read(directory)
+    if manifest is not None and manifest.files:
+        raise CheckpointError(
+            "foreign_run",
+            f"{directory} already holds checkpoints of another run ({manifest.files[-1]}, ...); "
+            "resume it with ckpt_path=last, or start this run in another run_dir=",
+        )
+
+
+FINGERPRINT_GROUPS = ("model", "adapter", "allocator", "env", "predictor")
+
+
+def config_fingerprint(cfg: DictConfig) -> dict[str, str]:
+    """The config groups a checkpoint's weights and state depend on, as canonical JSON. Paths under
+    run_dir or output_root are written relative to them, so a moved run_dir keeps its fingerprint."""
+    places = {
+        str(Path(cfg.run_dir).resolve()): "${run_dir}",
+        str(cfg.run_dir): "${run_dir}",
+        str(Path(cfg.output_root).resolve()): "${output_root}",
+    }
+    out = {}
+    for key in FINGERPRINT_GROUPS:
+        node = cfg.get(key)
+        text = json.dumps(
+            OmegaConf.to_container(node, resolve=True) if node is not None else None, sort_keys=True
+        )
+        for place, name in places.items():
+            text = text.replace(place, name)
+        out[key] = text
+    return out
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -133,7 +203,10 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit, and return the final metrics (for sweeps and notebooks)."""
     module, data, trainer = build(cfg)
-    trainer.fit(module, datamodule=data, ckpt_path=_checkpoint_path(cfg))
+    io = trainer.strategy.checkpoint_io
+    trainer.fit(
+        module, datamodule=data, ckpt_path=io.resume_from if isinstance(io, AtomicCheckpointIO) else None
+    )
     _say_where(trainer, cfg)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
