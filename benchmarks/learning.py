@@ -98,6 +98,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
         "trace_explore": Method(alloc.trace(n, max_per_prompt=cap), leaves, explore),
         "trace_gate": Method(alloc.trace(n, max_per_prompt=cap), leaves, {"gate_auroc": 0.6}),
+        # Stage 1 scores each prompt by V_root over its m (1 + N) leaves, so one bare rollout can pay
+        "trace_cc": Method(alloc.trace(n, 1, cap, count_continuations=True), leaves),
+        "trace_cc_explore": Method(alloc.trace(n, 1, cap, count_continuations=True), leaves, explore),
     }
 
 
@@ -280,6 +283,7 @@ def train_run(
         predictor_lr=args.predictor_lr,
         predictor_coef=0.0,
         predictor_standardize=True,
+        predictor_pooling=args.pooling,
         temperature=args.temperature,
     )
     module.policy.load_state_dict(warm)
@@ -333,7 +337,9 @@ def testbed(args: argparse.Namespace) -> tuple[DecisiveEnv, DecisiveEnv]:
 def warm_start_path(args: argparse.Namespace) -> Path:
     """Where the shared warm start is cached: a hash of everything it depends on."""
     keys = ("tasks", "task_seed", "hidden", "layers", "demos", "sft_steps", "sft_lr", "sft_batch", "turns")
-    spec = json.dumps({k: getattr(args, k) for k in keys} | {"teacher": TEACHER_SHIFT_ACCURACY}, sort_keys=True)
+    spec = json.dumps(
+        {k: getattr(args, k) for k in keys} | {"teacher": TEACHER_SHIFT_ACCURACY}, sort_keys=True
+    )
     return args.cache / f"warm_{hashlib.sha256(spec.encode()).hexdigest()[:16]}.pt"
 
 
@@ -348,7 +354,10 @@ def shared_warm_start(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(args.task_seed)
         module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
         info = warm_start(module, testbed(args)[0], args, args.task_seed)
-        state = {"weights": module.policy.state_dict(), "info": info | {"seconds": time.perf_counter() - clock}}
+        state = {
+            "weights": module.policy.state_dict(),
+            "info": info | {"seconds": time.perf_counter() - clock},
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, path)
     return state
@@ -367,7 +376,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
         module.policy.load_state_dict(warm["weights"])
         start = evaluate(module, envs[1], args, seed)  # this seed's evaluation seed, used for every method
-        info = warm["info"] | {"heldout_success": start["success"], **difficulty(start["per_task"])}
+        # The difficulty spread needs more episodes per task than an evaluation point has.
+        spread = evaluate(module, envs[1], argparse.Namespace(**vars(args) | {"eval_samples": 8}), seed + 500)
+        info = warm["info"] | {"heldout_success": start["success"], **difficulty(spread["per_task"])}
         print(f"seed {seed}: warm start {info}", flush=True)
         runs = [
             train_run(name, method, model_dir, warm["weights"], envs, args, seed, start)
@@ -641,6 +652,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--predictor-lr", type=float, default=3e-3)
     p.add_argument("--refit-steps", type=int, default=50)
+    p.add_argument("--pooling", default="last_mean", help="predictor input: last or last_mean")
     p.add_argument("--replay-window", type=int, default=8)
     p.add_argument("--decay", type=float, default=0.9, help="per-iteration decay of the Beta counts")
     p.add_argument("--temperature", type=float, default=1.0)

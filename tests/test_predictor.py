@@ -130,3 +130,22 @@ def test_posterior_features_reach_the_head(tiny_model_dir):
     assert all(e.features.shape[1] == width for e in data.predictor_fit.replay.values())
     with pytest.raises(ValueError, match="predictor.coef"):
         functools.partial(make_module, tiny_model_dir)(predictor_coef=1.0, predictor_posterior_features=True)
+
+
+def test_mean_pooled_features_match_a_plain_forward(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_pooling="last_mean")
+    data = make_data(cold_start=alloc.BetaPrior(warmup=1))
+    data.build_iteration(module)
+    trees = data.report.result.trees
+    nodes = [[0, *[n.id for n in t.nodes[1:]]] for t in trees]
+    got = module.prefix_features(trees, nodes)
+    for tree, ids, feats in zip(trees, nodes, got, strict=True):
+        for n, row in zip(ids, feats, strict=True):
+            seq = torch.tensor([tree.token_ids(n)])
+            with torch.no_grad():
+                states = module.policy(input_ids=seq, output_hidden_states=True).hidden_states[-1][
+                    0
+                ]  # [T, H]
+            expected = torch.cat([states[-1], states.mean(0)])  # the last state, then the mean of all of them
+            assert torch.allclose(row, expected, atol=1e-5), (tree.task_id, n)

@@ -64,6 +64,7 @@ class PredictorConfig:
     weighting: str = "leaves"
     backbone: str | None = None
     standardize: bool = True
+    pooling: str = "last_mean"
     posterior_features: bool = False
     refit_steps: int = 50
     replay_window: int = 8

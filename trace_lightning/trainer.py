@@ -61,6 +61,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor_backbone=p.backbone,
         predictor_standardize=p.standardize,
         predictor_posterior_features=p.posterior_features,
+        predictor_pooling=p.pooling,
         temperature=cfg.sampling.temperature,
         max_skipped_steps=cfg.module.max_skipped_steps,
         **OmegaConf.to_container(loss),  # type: ignore[arg-type]
