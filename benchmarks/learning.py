@@ -98,9 +98,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
         "trace_explore": Method(alloc.trace(n, max_per_prompt=cap), leaves, explore),
         "trace_gate": Method(alloc.trace(n, max_per_prompt=cap), leaves, {"gate_auroc": 0.6}),
-        # Stage 1 scores each prompt by V_root over its m (1 + N) leaves, so one bare rollout can pay
-        "trace_cc": Method(alloc.trace(n, 1, cap, count_continuations=True), leaves),
-        "trace_cc_explore": Method(alloc.trace(n, 1, cap, count_continuations=True), leaves, explore),
+        # a bonus per trained prompt in Stage 1's objective (our hedge against concentration)
+        "trace_breadth": Method(alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves),
+        "trace_breadth_explore": Method(alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves, explore),
     }
 
 
@@ -643,6 +643,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leaves", type=int, default=24, help="leaves per iteration, every method")
     p.add_argument("--expansion", type=int, default=2, help="N, continuations per bare rollout")
     p.add_argument("--max-per-prompt", type=int, default=8)
+    p.add_argument("--breadth", type=float, default=0.2, help="trace_breadth*: bonus per trained prompt")
     p.add_argument(
         "--control-group", type=int, default=6, help="grpo_trace_prompts: group size (fewer prompts)"
     )

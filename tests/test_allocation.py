@@ -25,23 +25,24 @@ def mixed_prob(v, m):
     return 1.0 - v**m - (1.0 - v) ** m
 
 
-def brute_force_roots(v, n_roots, min_group, cap, leaves_per_root=1):
+def brute_force_roots(v, n_roots, min_group, cap, leaves_per_root=1, breadth=0.0):
     """(best objective, most prompts among the optima) over every allocation with
     m_i in {0} ∪ [min_group, cap] and sum = n_roots; predictions clipped to [1e-4, 1 - 1e-4] as the
     solver documents. (-inf, 0) when no allocation exists."""
     v = [min(max(x, 1e-4), 1 - 1e-4) for x in v]
     sizes = [0, *range(min_group, cap + 1)]
-    best, breadth = -np.inf, 0
+    best, most = -np.inf, 0
     for ms in itertools.product(sizes, repeat=len(v)):
         if sum(ms) != n_roots:
             continue
-        value = sum(mixed_prob(x, leaves_per_root * m) for x, m in zip(v, ms, strict=True))
         prompts = sum(m > 0 for m in ms)
+        value = sum(mixed_prob(x, leaves_per_root * m) for x, m in zip(v, ms, strict=True))
+        value += breadth * prompts
         if value > best + 1e-7:
-            best, breadth = value, prompts
+            best, most = value, prompts
         elif value > best - 1e-7:
-            best, breadth = max(best, value), max(breadth, prompts)
-    return best, breadth
+            best, most = max(best, value), max(most, prompts)
+    return best, most
 
 
 def brute_force_prefixes(q, budget):
@@ -95,15 +96,15 @@ def random_root_case(rng):
     return v, int(rng.integers(2, 10)), int(rng.integers(1, 4)), int(rng.integers(2, 7))
 
 
-@pytest.mark.parametrize("leaves_per_root", [1, 3])
-def test_roots_match_independent_brute_force(leaves_per_root):
+@pytest.mark.parametrize("leaves_per_root, breadth", [(1, 0.0), (3, 0.0), (1, 0.2)])
+def test_roots_match_independent_brute_force(leaves_per_root, breadth):
     rng = np.random.default_rng(11)
     checked = 0
     for _ in range(1600):
         v, n_roots, min_group, cap = random_root_case(rng)
-        best, breadth = brute_force_roots(v.tolist(), n_roots, min_group, cap, leaves_per_root)
+        best, most = brute_force_roots(v.tolist(), n_roots, min_group, cap, leaves_per_root, breadth)
         try:
-            counts = solve_roots(v, n_roots, min_group, cap, leaves_per_root)
+            counts = solve_roots(v, n_roots, min_group, cap, leaves_per_root, breadth)
         except BudgetError:
             assert best == -np.inf, (v, n_roots, min_group, cap)
             continue
@@ -111,8 +112,9 @@ def test_roots_match_independent_brute_force(leaves_per_root):
         assert all(m == 0 or min_group <= m <= min(cap, n_roots) for m in counts)
         clipped = np.clip(v, 1e-4, 1 - 1e-4)
         got = sum(mixed_prob(x, leaves_per_root * int(m)) for x, m in zip(clipped, counts, strict=True))
+        got += breadth * int((counts > 0).sum())
         assert got == pytest.approx(best, abs=1e-7), (v, n_roots, min_group, cap, counts)
-        assert int((counts > 0).sum()) == breadth, (v, n_roots, min_group, cap, counts)
+        assert int((counts > 0).sum()) == most, (v, n_roots, min_group, cap, counts)
         checked += 1
     assert checked >= 1000
 

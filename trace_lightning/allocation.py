@@ -112,12 +112,15 @@ def solve_roots(
     min_group: int = 2,
     max_per_prompt: int | None = 16,
     leaves_per_root: int = 1,
+    breadth: float = 0.0,
 ) -> np.ndarray:
     """Exact Stage 1: integer m_i in {0} ∪ [min_group, cap] with sum m_i = n_roots maximising
     sum V_root(v_i, leaves_per_root * m_i), by dynamic programming over the budget (TRACE_SPEC: a
     plain greedy is not exact because of the first block of `min_group` rollouts).
 
-    `leaves_per_root` = 1 + N counts the continuations each bare rollout brings to its prompt
+    `breadth` >= 0 adds that much to the objective for every prompt trained (our choice, 0 = the spec's
+    objective): a hedge against a predictor whose confident estimates would concentrate the budget on
+    a few prompts. `leaves_per_root` = 1 + N counts the continuations each bare rollout brings to its prompt
     (our choice, off by default): the prompt's tree is mixed when any of its leaves differ.
 
     O(P * n_roots * cap) with one vectorised step per prompt. Among optima the one with the most
@@ -132,7 +135,7 @@ def solve_roots(
     _check_root_budget(len(v), n_roots, min_group, cap)
     sizes = np.concatenate([[0], np.arange(min_group, cap + 1)])  # [S]
     gains = v_root(v[:, None], leaves_per_root * sizes[None, :])  # [P, S]
-    gains = gains + BREADTH_TIE_BREAK * (sizes[None, :] > 0)
+    gains = gains + (breadth + BREADTH_TIE_BREAK) * (sizes[None, :] > 0)
     budget_idx = np.arange(n_roots + 1)  # [B]
     prev = budget_idx[None, :] - sizes[:, None]  # [S, B] budget before adding this prompt
     valid = prev >= 0
@@ -261,9 +264,12 @@ class ActiveRoots:
     min_group: int = 2
     max_per_prompt: int | None = 16
     leaves_per_root: int = 1  # 1 + N to count each bare rollout's continuations in V_root (our choice)
+    breadth: float = 0.0  # objective bonus per trained prompt (our choice)
 
     def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
-        return solve_roots(predicted, n_roots, self.min_group, self.max_per_prompt, self.leaves_per_root)
+        return solve_roots(
+            predicted, n_roots, self.min_group, self.max_per_prompt, self.leaves_per_root, self.breadth
+        )
 
 
 @dataclass(frozen=True)
@@ -367,12 +373,16 @@ def trace(
     min_group: int = 2,
     max_per_prompt: int | None = 16,
     count_continuations: bool = False,
+    breadth: float = 0.0,
 ) -> TreeAllocator:
     """`count_continuations`: Stage 1 scores a prompt by V_root over all its m_i (1 + N) leaves instead
-    of its m_i bare rollouts (our variant: continuations can make a root mixed too)."""
+    of its m_i bare rollouts (our variant: continuations can make a root mixed too). `breadth`: an
+    objective bonus per trained prompt (see `solve_roots`)."""
+    if breadth < 0:
+        raise BudgetError(f"allocator.breadth={breadth} must be >= 0 (0: the spec's objective)")
     per_root = 1 + expansion if count_continuations else 1
     return TreeAllocator(
-        "trace", ActiveRoots(min_group, max_per_prompt, per_root), ActivePrefixes(), expansion
+        "trace", ActiveRoots(min_group, max_per_prompt, per_root, breadth), ActivePrefixes(), expansion
     )
 
 
