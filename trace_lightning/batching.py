@@ -5,7 +5,9 @@
 2. One sequence per leaf: the full token path root -> leaf. Its loss mask covers the action tokens of
    the nodes that this leaf owns (each node is owned by exactly one leaf), and its predictor targets
    are the prefixes it owns, read at the last token of each prefix.
-3. Right-padded micro-batches (`RolloutBatch`); old log-probs are filled in by the module.
+3. Right-padded micro-batches (`RolloutBatch`); old log-probs are filled in by the module. A packed
+   batch also carries its trees laid out once per node (`packing.py`): the module then runs that
+   instead of the per-leaf rows, and maps the results back to the per-leaf layout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from trace_lightning import advantages as adv
+from trace_lightning.packing import PackedRows, pack
 from trace_lightning.tree import RolloutTree, backup, predictor_targets
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment"]
@@ -51,6 +54,7 @@ class RolloutBatch:
     pred_cols: torch.Tensor  # [K] token position of each predictor target
     pred_targets: torch.Tensor  # [K]
     pred_weights: torch.Tensor  # [K]
+    packed: PackedRows | None = None  # the same sequences tree-packed; None: run the rows as they are
 
 
 def _forest(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -181,3 +185,10 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:
         pred_targets=torch.tensor([t for s in seqs for t in s.pred_targets], dtype=torch.float32),
         pred_weights=torch.tensor([w for s in seqs for w in s.pred_weights], dtype=torch.float32),
     )
+
+
+def collate_packed(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree], pad_id: int) -> RolloutBatch:
+    """`collate`, plus the same sequences packed into one row (their trees' nodes each once)."""
+    batch = collate(seqs, pad_id)
+    batch.packed = pack(trees, [(s.tree_index, s.leaf) for s in seqs], pad_id)
+    return batch
