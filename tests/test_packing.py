@@ -40,12 +40,18 @@ def module(tiny_model_dir: str) -> TraceModule:
     return TraceModule(tiny_model_dir, functools.partial(torch.optim.SGD, lr=0.1), predictor_width=8)
 
 
-def plain_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """log p(token_t | tokens_<t) of one unpadded sequence [T] (0 at t = 0): the reference."""
+def plain_forward(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token_t | tokens_<t) [T] (0 at t = 0) and last hidden states [T, H] of one unpadded
+    sequence: the reference."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()  # [T, V]
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    logits = out.logits[0].float()  # [T, V]
     logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return torch.cat([torch.zeros(1), logp])
+    return torch.cat([torch.zeros(1), logp]), out.hidden_states[-1][0]
+
+
+def plain_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return plain_forward(model, ids)[0]
 
 
 def batches(trees: list[RolloutTree], estimator: str = "grpo"):
@@ -74,11 +80,15 @@ def test_packing_lays_out_every_node_once_with_depth_positions():
 def test_packed_logprobs_match_each_leafs_own_forward(module):
     trees = [branching_tree(0), branching_tree(1, prompt_len=5)]
     seqs, _, packed = batches(trees)
-    logp, _ = module._batch_forward(module.policy, packed)
+    logp, hidden = module._batch_forward(module.policy, packed)
     for row, s in enumerate(seqs):
-        want = plain_logprobs(module.policy, trees[s.tree_index].token_ids(s.leaf))
-        torch.testing.assert_close(logp[row, : len(want)].detach(), want, atol=1e-5, rtol=0)
-        assert not logp[row, len(want) :].any()  # padding reads 0
+        want, want_hidden = plain_forward(module.policy, trees[s.tree_index].token_ids(s.leaf))
+        trained = torch.tensor(s.loss_mask, dtype=torch.bool)  # log-probs are computed where they train
+        assert trained.any() and not trained.all()
+        torch.testing.assert_close(logp[row, : len(want)][trained].detach(), want[trained], atol=1e-5, rtol=0)
+        assert not logp[row, : len(want)][~trained].any() and not logp[row, len(want) :].any()
+        # every real token's state, prompt and observations included, is the leaf's own
+        torch.testing.assert_close(hidden[row, : len(want)].detach(), want_hidden, atol=1e-5, rtol=1e-5)
 
 
 def left_padded_logprobs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -97,11 +107,12 @@ def left_padded_logprobs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.
 def test_left_and_right_padding_and_every_row_layout_agree(module):
     trees = [branching_tree(2), branching_tree(3, prompt_len=4)]
     seqs, unpacked, _ = batches(trees)
-    keep = unpacked.attention_mask.bool()
-    keep[:, 0] = False  # the first token has no log-prob
+    real = unpacked.attention_mask.bool()
+    real[:, 0] = False  # the first token has no log-prob
     right, _ = module._forward(module.policy, unpacked.input_ids, unpacked.attention_mask)
     left = left_padded_logprobs(module.policy, unpacked.input_ids, unpacked.attention_mask)
-    torch.testing.assert_close(left[keep], right[keep].detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(left[real], right[real].detach(), atol=1e-5, rtol=0)
+    keep = unpacked.loss_mask.bool()  # where packed batches compute log-probs
     keys = [(s.tree_index, s.leaf) for s in seqs]
     layouts = {"both trees in one row": None, "a padded row per tree": [ti for ti, _ in keys]}
     for name, rows in layouts.items():
@@ -121,13 +132,14 @@ def test_left_and_right_padding_and_every_row_layout_agree(module):
 def test_a_sibling_branch_cannot_leak_into_another(module):
     tree = branching_tree(4)
     seqs, _, packed = batches([tree])
-    before, _ = module._batch_forward(module.policy, packed)
+    before, h_before = module._batch_forward(module.policy, packed)
     tree.nodes[4].action_ids = [(x + 37) % 600 for x in tree.nodes[4].action_ids]  # d, sibling of c
     _, _, packed2 = batches([tree])
-    after, _ = module._batch_forward(module.policy, packed2)
+    after, h_after = module._batch_forward(module.policy, packed2)
     rows = {s.leaf: i for i, s in enumerate(seqs)}
     for leaf in (3, 5, 6):  # c (d's sibling), e and f: none of them passes through d
         torch.testing.assert_close(after[rows[leaf]], before[rows[leaf]], atol=0, rtol=0)
+        torch.testing.assert_close(h_after[rows[leaf]], h_before[rows[leaf]], atol=0, rtol=0)
     assert not torch.equal(after[rows[4]], before[rows[4]])  # d's own tokens did change
 
 
@@ -218,7 +230,8 @@ def test_smollm2_packed_logprobs_and_gradients_match_per_leaf():
     logp, _ = module._batch_forward(module.policy, packed)
     for row, s in enumerate(seqs):
         want = plain_logprobs(module.policy, trees[0].token_ids(s.leaf))
-        torch.testing.assert_close(logp[row, : len(want)].detach(), want, atol=1e-5, rtol=0)
+        trained = torch.tensor(s.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(logp[row, : len(want)][trained].detach(), want[trained], atol=1e-5, rtol=0)
     module.fill_old_logprobs(unpacked)
     packed.old_logprobs = unpacked.old_logprobs
     _, g_ref = grads(module, unpacked)

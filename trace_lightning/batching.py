@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from trace_lightning import advantages as adv
-from trace_lightning.packing import PackedRows, pack
+from trace_lightning.packing import PackedRows, pack, packed_tokens
 from trace_lightning.tree import RolloutTree, backup, predictor_targets
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment"]
@@ -188,7 +188,27 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:
 
 
 def collate_packed(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree], pad_id: int) -> RolloutBatch:
-    """`collate`, plus the same sequences packed into one row (their trees' nodes each once)."""
+    """`collate`, plus the same sequences tree-packed (`packing.py`): each of their trees' nodes once."""
     batch = collate(seqs, pad_id)
-    batch.packed = pack(trees, [(s.tree_index, s.leaf) for s in seqs], pad_id)
+    keys = [(s.tree_index, s.leaf) for s in seqs]
+    batch.packed = pack(trees, keys, pad_id, _rows(trees, keys))
     return batch
+
+
+def _rows(trees: Sequence[RolloutTree], keys: Sequence[tuple[int, int]]) -> list[int]:
+    """A packed row per sequence: trees share a row while it stays within the longest tree's length.
+
+    Attention costs the square of a row's length, so one long row of many trees would cost more than
+    the trees in rows of their own; short trees (GRPO groups) still fill rows together, with little
+    padding. First-fit, longest tree first."""
+    leaves: dict[int, list[int]] = {}
+    for ti, leaf in keys:
+        leaves.setdefault(ti, []).append(leaf)
+    size = {ti: packed_tokens(trees[ti], ls) for ti, ls in leaves.items()}
+    cap, used, row_of = max(size.values()), [], {}
+    for ti in sorted(size, key=lambda t: -size[t]):
+        row = next((r for r, u in enumerate(used) if u + size[ti] <= cap), len(used))
+        used += [0] if row == len(used) else []
+        used[row] += size[ti]
+        row_of[ti] = row
+    return [row_of[ti] for ti, _ in keys]

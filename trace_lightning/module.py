@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from trace_lightning.batching import RolloutBatch, right_pad
 from trace_lightning.engines.hf import CACHE_KWARG
 from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
-from trace_lightning.packing import packed_token_logprobs, tree_forward, tree_mask_works
+from trace_lightning.packing import trained_logprobs, tree_mask_works
 from trace_lightning.predictor import SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
 
@@ -141,9 +141,11 @@ class TraceModule(L.LightningModule):
     def _batch_forward(
         self, model: torch.nn.Module, batch: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs aligned with batch.input_ids [B, T] (0 at t = 0) and last hidden states
-        [B, T, H]. A packed batch runs its packed rows (each shared token once) when the model takes the
-        tree mask, and maps both back to the per-leaf layout; otherwise the per-leaf rows run.
+        """Per-token log-probs aligned with batch.input_ids [B, T] and last hidden states [B, T, H].
+
+        A packed batch runs its packed rows (each shared token once) when the model takes the tree mask,
+        and maps both back to the per-leaf layout; its log-probs are then computed on the trained tokens
+        only (loss_mask), 0 elsewhere. Otherwise the per-leaf rows run (0 at t = 0).
 
         Log-probs are taken at the sampling temperature: the tokens were drawn from softmax(logits / T),
         so that is the behaviour policy the importance ratio must compare against (and what the engine
@@ -151,15 +153,7 @@ class TraceModule(L.LightningModule):
         """
         if batch.packed is None or not self._takes_tree_mask(model):
             return self._forward(model, batch.input_ids, batch.attention_mask)
-        packed = batch.packed
-        out = tree_forward(model, packed, output_hidden_states=True)
-        logits = out.logits.float() / self.hparams["temperature"]  # [P, N, V]
-        flat = packed_token_logprobs(logits, packed).flatten()  # [P * N]
-        keep = batch.attention_mask.bool()  # [B, T]
-        keep[:, 0] = False  # the first token has no log-prob, as in the per-leaf layout
-        logp = torch.where(keep, flat[packed.unpack], torch.zeros_like(packed.unpack, dtype=flat.dtype))
-        hidden = out.hidden_states[-1].flatten(0, 1)[packed.unpack]  # [B, T, H]
-        return logp, hidden
+        return trained_logprobs(model, batch.packed, batch.loss_mask.bool(), self.hparams["temperature"])
 
     def _forward(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor

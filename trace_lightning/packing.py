@@ -11,9 +11,10 @@ along each path, so rotary embeddings are the same as in the per-leaf sequence, 
                                             c attends to P P a a c; b never sees c, nor c b
 
 The log-prob of a token is read from the logits of the token before it *on its path* (`prev`), not
-from the previous column. `unpack` maps every per-leaf token back to its packed column, so losses,
-old log-probs and predictor reads stay in the per-leaf layout of `RolloutBatch`, with their meaning
-unchanged (seq-mean aggregation still averages per leaf-owner sequence).
+from the previous column, and only for the tokens that train. `unpack` maps every per-leaf token back
+to its packed column, so losses, old log-probs and predictor reads stay in the per-leaf layout of
+`RolloutBatch`, with their meaning unchanged (seq-mean aggregation still averages per leaf-owner
+sequence).
 
 `tree_forward` is the one place that hands the 4D mask to the model; `tree_mask_works` checks once per
 model that the model honours it, and otherwise the module runs the per-leaf sequences instead.
@@ -208,18 +209,33 @@ def tree_forward(model: torch.nn.Module, packed: PackedRows, **kwargs: object) -
     return model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, **kwargs)
 
 
-def packed_token_logprobs(logits: torch.Tensor, packed: PackedRows) -> torch.Tensor:
-    """log p(token_i | its path before i) for every packed token [P, N]; 0 where prev is -1.
+def trained_logprobs(
+    model: torch.nn.Module, packed: PackedRows, trained: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token | its path before it) on the `trained` tokens [B, T] (0 elsewhere), and the last hidden
+    states [B, T, H], both in the per-leaf layout of the batch.
 
-    logits: [P, N, V] (already divided by the sampling temperature). Reads the logits at `prev`, the
-    token before i on its own path, so a branch's first token is scored after its parent's last one.
+    Only trained tokens need a log-prob (the losses, the KL and the engine check all read them alone),
+    so the vocabulary projection runs only at the columns that predict them: the token before each on
+    its own path (`prev`), so a branch's first token is scored after its parent's last one.
     """
-    prev = packed.prev.clamp(min=0)  # [P, N]
-    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # [P, 1]
-    picked = logits[rows, prev, packed.input_ids]  # [P, N]: the logit of token i where it was predicted
-    lse = torch.logsumexp(logits, dim=-1)  # [P, N]
-    logp = picked - lse[rows, prev]  # [P, N]
-    return torch.where(packed.prev >= 0, logp, torch.zeros_like(logp))
+    width = packed.input_ids.shape[1]
+    target = packed.unpack[trained]  # [K] flat packed index of each trained token
+    source = (target // width) * width + packed.prev.flatten()[target].clamp(
+        min=0
+    )  # [K] column predicting it
+    keep = torch.zeros(packed.input_ids.numel(), dtype=torch.bool, device=target.device)
+    keep[source] = True  # [P * N]
+    out = tree_forward(model, packed, output_hidden_states=True, logits_to_keep=keep.view_as(packed.prev))
+    logits = (
+        out.logits.reshape(-1, out.logits.shape[-1]).float() / temperature
+    )  # [C, V], kept columns in order
+    at = (keep.cumsum(0) - 1)[source]  # [K] row of `logits` for each trained token
+    token_logp = logits[at, packed.input_ids.flatten()[target]] - torch.logsumexp(logits, dim=-1)[at]  # [K]
+    hidden = out.hidden_states[-1].flatten(0, 1)  # [P * N, H]
+    logp = torch.zeros(trained.shape, dtype=logits.dtype, device=logits.device)  # [B, T]
+    logp = logp.masked_scatter(trained, token_logp) + 0.0 * hidden[:1].sum()  # attached even with K = 0
+    return logp, hidden[packed.unpack]
 
 
 def tree_mask_works(model: torch.nn.Module) -> bool:
