@@ -205,7 +205,7 @@ def _rows(trees: Sequence[RolloutTree], keys: Sequence[tuple[int, int]]) -> list
     for ti, leaf in keys:
         leaves.setdefault(ti, []).append(leaf)
     size = {ti: packed_tokens(trees[ti], ls) for ti, ls in leaves.items()}
-    cap, used, row_of = max(size.values()), [], {}
+    cap, used, row_of = max(size.values()), list[int](), dict[int, int]()
     for ti in sorted(size, key=lambda t: -size[t]):
         row = next((r for r, u in enumerate(used) if u + size[ti] <= cap), len(used))
         used += [0] if row == len(used) else []

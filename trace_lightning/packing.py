@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,8 +46,10 @@ class PackedRows:
     tokens: int  # real (non-padding) tokens in the rows
 
     def to(self, device: torch.device | str) -> PackedRows:
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        return PackedRows(**moved)
+        ids, pos, allowed, prev, unpack = (
+            t.to(device) for t in (self.input_ids, self.position_ids, self.allowed, self.prev, self.unpack)
+        )
+        return PackedRows(ids, pos, allowed, prev, unpack, self.tokens)
 
 
 @dataclass
@@ -196,7 +199,7 @@ def budget_groups(
 # ---------------------------------------------------------------------------------------------------
 
 
-def tree_forward(model: torch.nn.Module, packed: PackedRows, **kwargs: object) -> object:
+def tree_forward(model: torch.nn.Module, packed: PackedRows, **kwargs: object) -> Any:
     """The model's forward over packed rows, with the tree mask as a 4D additive float mask.
 
     transformers (5.x) passes a 4D mask through unchanged to the attention of Llama/Qwen3-style models
@@ -249,7 +252,7 @@ def tree_mask_works(model: torch.nn.Module) -> bool:
     probe = PackedRows(ids, positions, allowed, positions - 1, torch.zeros(1, 1, dtype=torch.long), 3)
     try:
         with torch.no_grad():
-            packed = tree_forward(model, probe).logits[0, 2]  # type: ignore[attr-defined]
+            packed = tree_forward(model, probe).logits[0, 2]
             plain = model(input_ids=ids[:, [0, 2]]).logits[0, 1]
         works = bool(torch.allclose(packed, plain, atol=1e-4, rtol=1e-4))
     except (TypeError, ValueError, RuntimeError) as err:
