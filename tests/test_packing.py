@@ -45,9 +45,11 @@ def plain_forward(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor,
     sequence: the reference."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    logits = out.logits[0].float()  # [T, V]
+    # log-softmax in float64: in float32 over a 49k vocabulary it alone is off by up to ~2e-5 on SmolLM2
+    # (logits near 40), more than the tolerance the packed path is held to
+    logits = out.logits[0].double()  # [T, V]
     logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return torch.cat([torch.zeros(1), logp]), out.hidden_states[-1][0]
+    return torch.cat([torch.zeros(1), logp.float()]), out.hidden_states[-1][0]
 
 
 def plain_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -220,20 +222,46 @@ def test_micro_batch_tokens_must_be_positive():
         RolloutDataModule(ChainEnv(n_tasks=8), alloc.uniform(), None, SamplingParams(), micro_batch_tokens=0)
 
 
+def text_tree(tokenizer) -> RolloutTree:
+    """The shape of `branching_tree` with real English turns, so a real model sees likely tokens."""
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    t = RolloutTree(task_id=0, prompt_ids=ids("You are a helpful assistant. What is the capital of France?"))
+    a = t.add_turn(0, "bare", ids("<search>capital of France</search>"), ids(" Paris is the capital."))
+    b = t.add_turn(a, "bare", ids(" Let me check the river."), ids(" The Seine flows through it."))
+    t.finish(t.add_turn(b, "bare", ids("<answer>Paris</answer>"), []), 1.0, "answer")
+    t.finish(t.add_turn(b, "expand", ids("<answer>Lyon</answer>"), []), 0.0, "answer")
+    t.finish(t.add_turn(a, "expand", ids(" I think it is Marseille."), []), 0.0, "answer")
+    t.finish(t.add_turn(0, "bare", ids("<answer>Berlin</answer>"), []), 0.0, "answer")
+    return t
+
+
 @pytest.mark.slow
 def test_smollm2_packed_logprobs_and_gradients_match_per_leaf():
     from trace_lightning.models import prepare_smollm2
 
     module = TraceModule(prepare_smollm2(), functools.partial(torch.optim.SGD, lr=0.1), predictor_width=8)
-    trees = [branching_tree(8, prompt_len=30)]
+    trees = [text_tree(module.tokenizer)]
     seqs, unpacked, packed = batches(trees, "tree_segment")
     logp, _ = module._batch_forward(module.policy, packed)
     for row, s in enumerate(seqs):
         want = plain_logprobs(module.policy, trees[0].token_ids(s.leaf))
         trained = torch.tensor(s.loss_mask, dtype=torch.bool)
-        torch.testing.assert_close(logp[row, : len(want)][trained].detach(), want[trained], atol=1e-5, rtol=0)
+        # 30 float32 layers over other attention shapes: measured up to 1.0e-5 at log-probs near -6 (1.6e-6
+        # relative), and 0.0 difference in hidden states with the model in float64
+        got = logp[row, : len(want)][trained].detach()
+        torch.testing.assert_close(got, want[trained], atol=1e-5, rtol=1e-6)
     module.fill_old_logprobs(unpacked)
     packed.old_logprobs = unpacked.old_logprobs
     _, g_ref = grads(module, unpacked)
     _, g_packed = grads(module, packed)
-    assert max(float((g_packed[k] - g_ref[k]).abs().max() / g_ref[k].abs().max()) for k in g_ref) <= 1e-4
+    diff = torch.sqrt(sum(((g_packed[k] - g_ref[k]) ** 2).sum() for k in g_ref))
+    assert diff / torch.sqrt(sum((g**2).sum() for g in g_ref.values())) <= 1e-4  # measured 2.1e-5
+    # Per tensor, the worst is an RMSNorm weight at 1.1e-4 (measured): a shared prompt token's gradient
+    # is summed over its leaves before, not after, the float32 rounding of the backward. Measured with
+    # the model in float64 (sum of trained log-probs as the loss): 5.5e-7, since LlamaRMSNorm still
+    # computes in float32, and 5.2e-14 once RMSNorm runs in float64 too: rounding, not a wrong term.
+    worst = max(float((g_packed[k] - g_ref[k]).abs().max() / g_ref[k].abs().max()) for k in g_ref)
+    assert worst <= 2e-4
