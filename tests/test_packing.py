@@ -198,7 +198,7 @@ def test_a_model_that_ignores_the_tree_mask_trains_per_leaf_and_says_so(module, 
     torch.testing.assert_close(got[keep], want[keep])  # the per-leaf rows ran
 
 
-def test_token_budget_keeps_trees_whole():
+def test_token_budget_keeps_trees_whole_where_they_fit():
     trees = [
         branching_tree(0, prompt_len=2),
         branching_tree(1, prompt_len=2),
@@ -207,9 +207,15 @@ def test_token_budget_keeps_trees_whole():
     keys = [(ti, leaf) for ti, t in enumerate(trees) for leaf in t.leaves()]  # 4 leaves each
     # packed tokens: 31, 31 and 31 + 38 = 69
     assert [packed_tokens(t, t.leaves()) for t in trees] == [31, 31, 69]
-    assert budget_groups(trees, keys, 62) == [list(range(8)), list(range(8, 12))]
-    assert budget_groups(trees, keys, 61) == [list(range(4)), list(range(4, 8)), list(range(8, 12))]
-    assert budget_groups(trees, keys, 10) == [list(range(4)), list(range(4, 8)), list(range(8, 12))]
+    assert budget_groups(trees, keys, 69) == [list(range(8)), list(range(8, 12))]  # 31 + 31, then 69
+    # at 61 the first two trees no longer share a batch, and tree 2 splits: c + d cost 40 + 7 + 5 + 5 + 2
+    # = 59, e + f 40 + 7 + 6 + 4 = 57
+    assert budget_groups(trees, keys, 61) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11]]
+    # a tree over the budget is split by leaves: tree 0's leaves c, d, e, f cost 19, 16, 15 and 6 alone;
+    # c + d share prompt, a and b (2 + 7 + 5 + 5 + 2 = 21), + e adds 6 more (27), + f 4 (31)
+    assert budget_groups(trees[:1], keys[:4], 27) == [[0, 1, 2], [3]]
+    assert budget_groups(trees[:1], keys[:4], 21) == [[0, 1], [2, 3]]  # e + f = 2 + 7 + 6 + 4 = 19
+    assert budget_groups(trees[:1], keys[:4], 10) == [[0], [1], [2], [3]]  # single leaves over budget
 
 
 def test_micro_batch_tokens_must_be_positive():

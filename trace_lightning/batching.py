@@ -49,7 +49,8 @@ class RolloutBatch:
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] trainable action tokens
     advantages: torch.Tensor  # [B, T]
-    old_logprobs: torch.Tensor  # [B, T] log pi_old(token_t | tokens_<t); 0 at t = 0 and on padding
+    old_logprobs: torch.Tensor  # [B, T] log pi_old(token_t | tokens_<t); 0 at t = 0, on padding and, in a
+    # packed batch, off the trained tokens (only those are scored)
     pred_rows: torch.Tensor  # [K] sequence index of each predictor target
     pred_cols: torch.Tensor  # [K] token position of each predictor target
     pred_targets: torch.Tensor  # [K]

@@ -290,8 +290,8 @@ class RolloutDataModule(L.LightningDataModule):
         self, trees: list[RolloutTree], module: Any, pool: list[RolloutTree]
     ) -> tuple[list[RolloutBatch], np.ndarray]:
         """Tree-packed micro-batches with old log-probs, and |engine - trainer| log-prob gaps on the
-        trained tokens. A micro-batch holds whole trees up to `micro_batch_tokens` packed tokens, or
-        `micro_batch_size` leaf sequences when that is null.
+        trained tokens. A micro-batch holds up to `micro_batch_tokens` packed tokens (whole trees where
+        they fit, see `packing.budget_groups`), or `micro_batch_size` leaf sequences when that is null.
 
         Every process must run the same number of micro-batches (DDP synchronises each backward), so a
         process with fewer leaves pads with batches that train nothing (all-zero loss mask)."""

@@ -174,24 +174,34 @@ def _tensors(rows: list[_Row], unpack: torch.Tensor, pad_id: int) -> PackedRows:
 def budget_groups(
     trees: Sequence[RolloutTree], leaves: Sequence[tuple[int, int]], max_tokens: int
 ) -> list[list[int]]:
-    """Split `leaves` (grouped by tree, in order) into micro-batches of whole trees whose packed tokens
-    fit `max_tokens`; returns indices into `leaves`. A tree larger than the budget gets a batch alone."""
+    """Split `leaves` (grouped by tree, in order) into micro-batches whose packed tokens fit `max_tokens`;
+    returns indices into `leaves`. Trees stay whole where they fit; a larger tree is split by leaves
+    into parts that fit (a part repeats the prefix it shares with the others), and a single leaf
+    longer than the budget gets a batch alone."""
     groups: list[list[int]] = []
     spent = max_tokens + 1  # start a first group at once
-    start = 0
-    while start < len(leaves):
-        ti = leaves[start][0]
-        stop = start
-        while stop < len(leaves) and leaves[stop][0] == ti:
-            stop += 1
-        cost = packed_tokens(trees[ti], [leaf for _, leaf in leaves[start:stop]])
+    for part, cost in _tree_parts(trees, leaves, max_tokens):
         if spent + cost > max_tokens:
             groups.append([])
             spent = 0
-        groups[-1].extend(range(start, stop))
+        groups[-1].extend(part)
         spent += cost
-        start = stop
     return groups
+
+
+def _tree_parts(
+    trees: Sequence[RolloutTree], leaves: Sequence[tuple[int, int]], max_tokens: int
+) -> list[tuple[list[int], int]]:
+    """Consecutive runs of one tree's leaves, each within the budget where it can be: (indices, tokens)."""
+    parts: list[tuple[list[int], int]] = []
+    for i, (ti, leaf) in enumerate(leaves):
+        if parts and leaves[parts[-1][0][0]][0] == ti:
+            grown = packed_tokens(trees[ti], [leaves[j][1] for j in parts[-1][0]] + [leaf])
+            if grown <= max_tokens:
+                parts[-1] = (parts[-1][0] + [i], grown)
+                continue
+        parts.append(([i], packed_tokens(trees[ti], [leaf])))
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------------
