@@ -59,7 +59,7 @@ class Recorder(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if batch_idx == 0:
             with torch.no_grad():
-                logp, _ = module._forward(module.policy, batch.input_ids, batch.attention_mask)
+                logp, _ = module._batch_forward(module.policy, batch)  # the forward training_step runs
             keep = batch.loss_mask.bool()
             self.first_ratio_exact.append(bool(torch.equal(logp[keep], batch.old_logprobs[keep])))
 

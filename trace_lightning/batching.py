@@ -5,7 +5,9 @@
 2. One sequence per leaf: the full token path root -> leaf. Its loss mask covers the action tokens of
    the nodes that this leaf owns (each node is owned by exactly one leaf), and its predictor targets
    are the prefixes it owns, read at the last token of each prefix.
-3. Right-padded micro-batches (`RolloutBatch`); old log-probs are filled in by the module.
+3. Right-padded micro-batches (`RolloutBatch`); old log-probs are filled in by the module. A packed
+   batch also carries its trees laid out once per node (`packing.py`): the module then runs that
+   instead of the per-leaf rows, and maps the results back to the per-leaf layout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from trace_lightning import advantages as adv
+from trace_lightning.packing import PackedRows, pack, packed_tokens
 from trace_lightning.tree import RolloutTree, backup, predictor_targets
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment"]
@@ -46,11 +49,13 @@ class RolloutBatch:
     attention_mask: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] trainable action tokens
     advantages: torch.Tensor  # [B, T]
-    old_logprobs: torch.Tensor  # [B, T] log pi_old(token_t | tokens_<t); 0 at t = 0 and on padding
+    old_logprobs: torch.Tensor  # [B, T] log pi_old(token_t | tokens_<t); 0 at t = 0, on padding and, in a
+    # packed batch, off the trained tokens (only those are scored)
     pred_rows: torch.Tensor  # [K] sequence index of each predictor target
     pred_cols: torch.Tensor  # [K] token position of each predictor target
     pred_targets: torch.Tensor  # [K]
     pred_weights: torch.Tensor  # [K]
+    packed: PackedRows | None = None  # the same sequences tree-packed; None: run the rows as they are
 
 
 def _forest(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -181,3 +186,30 @@ def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:
         pred_targets=torch.tensor([t for s in seqs for t in s.pred_targets], dtype=torch.float32),
         pred_weights=torch.tensor([w for s in seqs for w in s.pred_weights], dtype=torch.float32),
     )
+
+
+def collate_packed(seqs: Sequence[LeafSequence], trees: Sequence[RolloutTree], pad_id: int) -> RolloutBatch:
+    """`collate`, plus the same sequences tree-packed (`packing.py`): each of their trees' nodes once."""
+    batch = collate(seqs, pad_id)
+    keys = [(s.tree_index, s.leaf) for s in seqs]
+    batch.packed = pack(trees, keys, pad_id, _rows(trees, keys))
+    return batch
+
+
+def _rows(trees: Sequence[RolloutTree], keys: Sequence[tuple[int, int]]) -> list[int]:
+    """A packed row per sequence: trees share a row while it stays within the longest tree's length.
+
+    Attention costs the square of a row's length, so one long row of many trees would cost more than
+    the trees in rows of their own; short trees (GRPO groups) still fill rows together, with little
+    padding. First-fit, longest tree first."""
+    leaves: dict[int, list[int]] = {}
+    for ti, leaf in keys:
+        leaves.setdefault(ti, []).append(leaf)
+    size = {ti: packed_tokens(trees[ti], ls) for ti, ls in leaves.items()}
+    cap, used, row_of = max(size.values()), list[int](), dict[int, int]()
+    for ti in sorted(size, key=lambda t: -size[t]):
+        row = next((r for r, u in enumerate(used) if u + size[ti] <= cap), len(used))
+        used += [0] if row == len(used) else []
+        used[row] += size[ti]
+        row_of[ti] = row
+    return [row_of[ti] for ti, _ in keys]

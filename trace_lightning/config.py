@@ -24,7 +24,8 @@ class BudgetConfig:
 @dataclass
 class DataConfig:
     pool_size: int = 12
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # leaf sequences per micro-batch, when micro_batch_tokens is null
+    micro_batch_tokens: int | None = 2048  # packed tokens per micro-batch (packing.budget_groups)
     max_turns: int = 3
     max_episode_tokens: int = 768
     step_timeout: float | None = 30.0  # seconds an environment step may take before the episode fails

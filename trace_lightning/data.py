@@ -32,12 +32,14 @@ from trace_lightning.batching import (
     LeafSequence,
     RolloutBatch,
     collate,
+    collate_packed,
     leaf_sequences,
     node_advantages,
 )
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment
 from trace_lightning.iteration import Iteration, Shard, build_trees
+from trace_lightning.packing import budget_groups
 from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
@@ -75,6 +77,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_tokens: int | None = None,
         pool_size: int = 16,
         micro_batch_size: int = 4,
+        micro_batch_tokens: int | None = None,
         max_turns: int = 4,
         max_episode_tokens: int = 256,
         step_timeout: float | None = 30.0,
@@ -95,7 +98,13 @@ class RolloutDataModule(L.LightningDataModule):
         self.env, self.allocator, self.engine_factory, self.sampling = env, allocator, engine, sampling
         self.budget = Budget(leaves, max_tokens)
         allocator.n_roots(self.budget)  # a budget the allocator cannot split fails here, at start-up
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(
+                f"data.micro_batch_tokens={micro_batch_tokens} must be >= 1, or null to batch "
+                "data.micro_batch_size sequences at a time"
+            )
         self.pool_size, self.micro_batch_size, self.estimator = pool_size, micro_batch_size, estimator
+        self.micro_batch_tokens = micro_batch_tokens
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.prior = cold_start if cold_start is not None else BetaPrior(warmup=0)
@@ -331,18 +340,20 @@ class RolloutDataModule(L.LightningDataModule):
     def _batches(
         self, trees: list[RolloutTree], module: Any, pool: list[RolloutTree]
     ) -> tuple[list[RolloutBatch], np.ndarray]:
-        """Micro-batches with old log-probs, and |engine - trainer| log-prob gaps on the trained tokens.
+        """Tree-packed micro-batches with old log-probs, and |engine - trainer| log-prob gaps on the
+        trained tokens. A micro-batch holds up to `micro_batch_tokens` packed tokens (whole trees where
+        they fit, see `packing.budget_groups`), or `micro_batch_size` leaf sequences when that is null.
 
         Every process must run the same number of micro-batches (DDP synchronises each backward), so a
         process with fewer leaves pads with batches that train nothing (all-zero loss mask)."""
         seqs = leaf_sequences(trees, node_advantages(trees, self.estimator))  # type: ignore[arg-type]
-        n_batches = -(-len(seqs) // self.micro_batch_size)
-        n_batches = max(self._all_gather(n_batches))
+        groups = self._groups(trees, seqs)
+        n_batches = max(self._all_gather(len(groups)))
         pad = module.tokenizer.pad_token_id
         batches, gaps = [], []
         for i in range(n_batches):
-            chunk = seqs[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
-            batch = collate(chunk, pad) if chunk else _idle_batch(pool[0].prompt_ids, pad)
+            chunk = [seqs[j] for j in groups[i]] if i < len(groups) else []
+            batch = collate_packed(chunk, trees, pad) if chunk else _idle_batch(pool[0].prompt_ids, pad)
             module.fill_old_logprobs(batch)
             for row, seq in enumerate(chunk):
                 engine = torch.tensor(seq.engine_logprobs)  # [T]
@@ -350,6 +361,13 @@ class RolloutDataModule(L.LightningDataModule):
                 gaps.append((batch.old_logprobs[row, : len(engine)][known] - engine[known]).abs().numpy())
             batches.append(batch)
         return batches, np.concatenate(gaps) if gaps else np.zeros(0)
+
+    def _groups(self, trees: list[RolloutTree], seqs: list[LeafSequence]) -> list[list[int]]:
+        """Indices into `seqs` of each micro-batch: by packed-token budget, or a fixed count."""
+        if self.micro_batch_tokens is not None:
+            return budget_groups(trees, [(s.tree_index, s.leaf) for s in seqs], self.micro_batch_tokens)
+        size = self.micro_batch_size
+        return [list(range(i, min(i + size, len(seqs)))) for i in range(0, len(seqs), size)]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the next iteration depends on besides the weights: the allocation RNG, the torch

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from trace_lightning.batching import RolloutBatch, right_pad
 from trace_lightning.engines.hf import CACHE_KWARG
 from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
+from trace_lightning.packing import trained_logprobs, tree_mask_works
 from trace_lightning.predictor import SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
 
@@ -98,6 +99,7 @@ class TraceModule(L.LightningModule):
             standardize=predictor_standardize,
         )
         self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
+        self._tree_mask_ok: dict[int, bool] = {}  # id(model) -> it takes packed batches (packing.py)
 
     def _load_companion(self, path: str) -> torch.nn.Module:
         companion = self._load_policy(path, None).requires_grad_(False).eval()
@@ -176,27 +178,44 @@ class TraceModule(L.LightningModule):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _forward(
-        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    def _batch_forward(
+        self, model: torch.nn.Module, batch: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs aligned with input_ids [B, T] (0 at t = 0) and last hidden states [B, T, H].
+        """Per-token log-probs aligned with batch.input_ids [B, T] and last hidden states [B, T, H].
+
+        A packed batch runs its packed rows (each shared token once) when the model takes the tree mask,
+        and maps both back to the per-leaf layout; its log-probs are then computed on the trained tokens
+        only (loss_mask), 0 elsewhere. Otherwise the per-leaf rows run (0 at t = 0).
 
         Log-probs are taken at the sampling temperature: the tokens were drawn from softmax(logits / T),
         so that is the behaviour policy the importance ratio must compare against (and what the engine
         reports, which makes engine/trainer agreement a like-for-like check).
         """
+        if batch.packed is None or not self._takes_tree_mask(model):
+            return self._forward(model, batch.input_ids, batch.attention_mask)
+        return trained_logprobs(model, batch.packed, batch.loss_mask.bool(), self.hparams["temperature"])
+
+    def _forward(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain forward over right-padded leaf sequences [B, T]: log-probs [B, T], hidden [B, T, H]."""
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         logits = out.logits[:, :-1].float() / self.hparams["temperature"]
         logp = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
         tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         return torch.nn.functional.pad(tok, (1, 0)), out.hidden_states[-1]
 
+    def _takes_tree_mask(self, model: torch.nn.Module) -> bool:
+        """Checked once per model (policy, reference), and logged once where it fails."""
+        if id(model) not in self._tree_mask_ok:
+            self._tree_mask_ok[id(model)] = tree_mask_works(model)
+        return self._tree_mask_ok[id(model)]
+
     @torch.no_grad()
     def fill_old_logprobs(self, batch: RolloutBatch) -> None:
         """pi_old: the same forward the first training step will run, so its ratio is exactly 1."""
-        batch.old_logprobs = self._forward(
-            self.policy, batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        )[0].cpu()
+        device_batch = self.transfer_batch_to_device(batch, self.device, 0)
+        batch.old_logprobs = self._batch_forward(self.policy, device_batch)[0].cpu()
 
     @torch.no_grad()
     def predict_success(
@@ -275,7 +294,7 @@ class TraceModule(L.LightningModule):
         ):  # the already-trained epoch of a resumed run (see RolloutDataModule.train_dataloader)
             return None
         hp = self.hparams
-        logp, hidden = self._forward(self.policy, batch.input_ids, batch.attention_mask)
+        logp, hidden = self._batch_forward(self.policy, batch)
         pg = clipped_surrogate(
             logp,
             batch.old_logprobs,
@@ -348,9 +367,9 @@ class TraceModule(L.LightningModule):
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         if self.reference is not None:
-            return self._forward(self.reference, batch.input_ids, batch.attention_mask)[0]
+            return self._batch_forward(self.reference, batch)[0]
         with self.policy.disable_adapter():  # LoRA: the base model is the reference
-            return self._forward(self.policy, batch.input_ids, batch.attention_mask)[0]
+            return self._batch_forward(self.policy, batch)[0]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Remember the MLflow run, so that resuming from this checkpoint continues the same run."""
@@ -359,8 +378,8 @@ class TraceModule(L.LightningModule):
             checkpoint["mlflow_run_id"] = run_id
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        if isinstance(batch, RolloutBatch):
-            return RolloutBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+        if isinstance(batch, RolloutBatch):  # tensors, and the packed rows (or None) as a whole
+            return RolloutBatch(**{k: v if v is None else v.to(device) for k, v in vars(batch).items()})
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def configure_optimizers(self) -> Any:
