@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from trace_lightning import allocation as alloc
 from trace_lightning import config
@@ -100,7 +101,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_gate": Method(alloc.trace(n, max_per_prompt=cap), leaves, {"gate_auroc": 0.6}),
         # a bonus per trained prompt in Stage 1's objective (our hedge against concentration)
         "trace_breadth": Method(alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves),
-        "trace_breadth_explore": Method(alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves, explore),
+        "trace_breadth_explore": Method(
+            alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves, explore
+        ),
     }
 
 
@@ -248,13 +251,18 @@ class Recorder(L.Callback):
             )
 
 
-def product_trainer(args: argparse.Namespace, callbacks: list[L.Callback], root: str) -> L.Trainer:
-    """The CLI's own Trainer (conf/trainer/cpu.yaml): clipping, epochs = iterations, reloads each epoch."""
+def trainer_config(root: str) -> dict[str, Any]:
+    """The CLI's own Trainer settings (conf/trainer/cpu.yaml): gradient clipping, one epoch per
+    iteration, dataloaders reloaded every epoch. Composed once, before the workers start."""
     config.register()
     with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["trainer=cpu", f"run_dir={root}", "logger=none", "callbacks=none"])
+    return OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[return-value]
+
+
+def product_trainer(args: argparse.Namespace, callbacks: list[L.Callback], root: str) -> L.Trainer:
     return instantiate(
-        cfg.trainer,
+        args.trainer | {"default_root_dir": root},
         max_epochs=args.iterations,
         logger=False,
         callbacks=callbacks,
@@ -470,7 +478,17 @@ def fmt(stat: dict[str, float], digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
 
 
-MAIN = ["uniform", "grpo_trace_prompts", "pcl", "random_expand", "trace", "trace_explore", "trace_gate"]
+MAIN = [
+    "uniform",
+    "grpo_trace_prompts",
+    "pcl",
+    "random_expand",
+    "trace",
+    "trace_explore",
+    "trace_gate",
+    "trace_breadth",
+    "trace_breadth_explore",
+]
 
 
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -640,21 +658,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4, help="max turns of an episode (tasks have 2-4)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--leaves", type=int, default=24, help="leaves per iteration, every method")
-    p.add_argument("--expansion", type=int, default=2, help="N, continuations per bare rollout")
+    p.add_argument("--leaves", type=int, default=48, help="leaves per iteration, every method")
+    p.add_argument("--expansion", type=int, default=1, help="N, continuations per bare rollout")
     p.add_argument("--max-per-prompt", type=int, default=8)
     p.add_argument("--breadth", type=float, default=0.2, help="trace_breadth*: bonus per trained prompt")
     p.add_argument(
-        "--control-group", type=int, default=6, help="grpo_trace_prompts: group size (fewer prompts)"
+        "--control-group", type=int, default=8, help="grpo_trace_prompts: group size (fewer prompts)"
     )
-    p.add_argument("--pool", type=int, default=48, help="candidate prompts per iteration")
+    p.add_argument("--pool", type=int, default=64, help="candidate prompts per iteration")
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--predictor-lr", type=float, default=3e-3)
     p.add_argument("--refit-steps", type=int, default=50)
     p.add_argument("--pooling", default="last_mean", help="predictor input: last or last_mean")
-    p.add_argument("--replay-window", type=int, default=8)
+    p.add_argument("--replay-window", type=int, default=16)
     p.add_argument("--decay", type=float, default=0.9, help="per-iteration decay of the Beta counts")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--estimator", default="tree_grpo")
@@ -688,6 +706,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     torch.set_num_threads(1)
     clock = time.perf_counter()
+    args.trainer = trainer_config(tempfile.gettempdir())
     shared_warm_start(args)  # once, before the workers start
     if args.workers > 1 and len(args.seeds) > 1:
         with mp.get_context("spawn").Pool(min(args.workers, len(args.seeds))) as pool:

@@ -15,6 +15,8 @@ SAME_BUDGET = [
     "trace_prefix_only",
     "trace_explore",
     "trace_gate",
+    "trace_breadth",
+    "trace_breadth_explore",
 ]
 
 
