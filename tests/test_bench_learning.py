@@ -22,9 +22,10 @@ SAME_BUDGET = [
 
 def test_learning_benchmark_quick_mode(tmp_path):
     out, png = tmp_path / "learning.json", tmp_path / "learning.png"
+    cache = str(tmp_path / "cache")
+    args = ["--quick", "--out", str(out), "--plot", str(png), "--cache", cache]
     proc = subprocess.run(
-        [sys.executable, "benchmarks/learning.py", "--quick", "--out", str(out), "--plot", str(png)]
-        + ["--cache", str(tmp_path / "cache")],
+        [sys.executable, "benchmarks/learning.py", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

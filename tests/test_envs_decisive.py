@@ -59,9 +59,7 @@ def test_the_question_and_observations_show_the_cues():
 
 def test_a_letter_outside_the_task_is_a_format_error():
     env = DecisiveEnv(30, 0, "train", 3)
-    spec, task = next(
-        (s, t) for s, t in zip(env.decisive_tasks, env.tasks(), strict=True) if s.n_letters == 8
-    )
+    _, task = next((s, t) for s, t in zip(env.decisive_tasks, env.tasks(), strict=True) if s.n_letters == 8)
     out = env.step(task, (0, 0), "<choose>Z</choose>")
     assert out.format_error and not out.done and out.state == (0, 0)
 

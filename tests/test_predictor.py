@@ -56,9 +56,9 @@ def test_replay_keeps_the_latest_targets_per_prompt_within_the_window():
     fit.add(1, entry(0, 0.0))
     fit.add(1, entry(2, 1.0))  # a later visit of prompt 1 replaces its targets
     fit.add(2, entry(1, 0.5))
-    x, y, w = fit.training_set(2)
+    _, y, _ = fit.training_set(2)
     assert sorted(y.tolist()) == [0.5, 1.0]
-    x, y, w = fit.training_set(3)  # prompt 2's iteration 1 has left the window of 2
+    _, y, _ = fit.training_set(3)  # prompt 2's iteration 1 has left the window of 2
     assert y.tolist() == [1.0]
 
 

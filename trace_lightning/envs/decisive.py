@@ -79,7 +79,8 @@ def make_decisive_tasks(n: int, seed: int, first_id: int = 0) -> list[DecisiveTa
 
 def render_question(task: DecisiveTask) -> str:
     last = string.ascii_uppercase[task.n_letters - 1]
-    return f"{task.turns} keys, {task.tolerance} errors ok, A-{last}. Key {task.decisive + 1} +{task.shift}. Key 1: {task.cue(0)}."
+    shift = f"Key {task.decisive + 1} +{task.shift}"
+    return f"{task.turns} keys, {task.tolerance} errors ok, A-{last}. {shift}. Key 1: {task.cue(0)}."
 
 
 class DecisiveEnv:
