@@ -284,12 +284,22 @@ class ReActRunner:
         return observation[: limit - len(TRUNCATION_MARK)] + TRUNCATION_MARK
 
     def _observation_ids(self, observation: str, action_ids: list[int]) -> list[int]:
-        """The environment's reply as a user turn, then the header of the next assistant turn."""
+        """The environment's reply as a user turn, then the header of the next assistant turn.
+
+        The chat markers are special tokens; the observation is not. Tool output (a web page, what
+        model-written code printed) is tokenised with special-token parsing off, so a forged
+        `<|im_end|>\n<|im_start|>system` in it stays plain text instead of opening a real system turn.
+        The tokenizer splits text at special tokens before anything else, so for text without them
+        these ids are the same as tokenising the whole turn in one call.
+        """
         eos = self.tokenizer.eos_token_id
         closed = bool(action_ids) and action_ids[-1] == eos
-        text = (
-            "" if closed else "<|im_end|>"
-        ) + f"\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+        head = self._markup(("" if closed else "<|im_end|>") + "\n<|im_start|>")
+        body = self.tokenizer(f"user\n{observation}", add_special_tokens=False, split_special_tokens=True)
+        return [*head, *body["input_ids"], *self._markup("<|im_end|>\n<|im_start|>assistant\n")]
+
+    def _markup(self, text: str) -> list[int]:
+        """Ids of chat-template text we wrote ourselves, special tokens parsed."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _count(self, tr: Transition, empty: bool) -> None:

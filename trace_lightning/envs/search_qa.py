@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from trace_lightning.envs.actions import Action, ActionError, parse_action
+from trace_lightning.envs.actions import MAX_ARGUMENT_CHARS, Action, ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.scoring import normalize_answer, score_answer
 
@@ -305,7 +305,7 @@ class SearchQAEnv:
     def step(self, task: Task, state: tuple[str, ...], action_text: str) -> Transition:
         action = parse_action(action_text, self.actions)
         if isinstance(action, ActionError) and self._final_reply(action_text):
-            action = Action("answer", action_text.strip())
+            action = _untagged_answer(action_text.strip())
         if isinstance(action, ActionError):
             return _reply(f"error: {action.message}", state, format_error=True)
         if action.name == "answer":
@@ -322,6 +322,14 @@ class SearchQAEnv:
             return _reply("no results: try other keywords", queries, tool="search")
         lines = (f"[{rank}] {title}: {snippet}" for rank, (title, snippet) in enumerate(hits, start=1))
         return _reply("\n".join(lines), queries, tool="search")
+
+
+def _untagged_answer(text: str) -> Action | ActionError:
+    """An untagged final reply, held to the same length cap as a tagged `<answer>` argument: without
+    it a long reply could list many guesses where a tagged one could not."""
+    if len(text) > MAX_ARGUMENT_CHARS:
+        return ActionError(f"the answer has {len(text)} characters; keep it under {MAX_ARGUMENT_CHARS}.")
+    return Action("answer", text)
 
 
 def _reply(text: str, state: tuple[str, ...], **flags: Any) -> Transition:
