@@ -13,6 +13,7 @@ returns all three so a resumed run continues the same sequence.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
@@ -40,6 +41,10 @@ from trace_lightning.envs.base import Environment
 from trace_lightning.iteration import Iteration, Shard, build_trees
 from trace_lightning.runner import ReActRunner, RolloutCounters
 from trace_lightning.tree import RolloutTree
+
+# The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
+# display (console.IterationProgress) shows the same counts as they happen.
+_log_info = rank_zero_only(logging.getLogger(__name__).info)
 
 
 @dataclass
@@ -103,6 +108,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._runner: ReActRunner | None = None
         self._engine_version: float | None = None  # policy fingerprint the engine last synced to
         self.local_trees: list[RolloutTree] = []
+        self.on_episode_end: Callable[[], None] | None = None  # called as each episode ends (progress bars)
 
     def _runner_for(self, module: Any) -> ReActRunner:
         if self._runner is None:
@@ -155,7 +161,7 @@ class RolloutDataModule(L.LightningDataModule):
         and the cold-start prior see every process's trees; the batches hold this process's only.
         """
         runner = self._runner_for(module)
-        runner.counters = RolloutCounters()
+        runner.counters, runner.on_episode_end = RolloutCounters(), self.on_episode_end
         task_ids = sorted(runner.tasks)
         pool = [
             runner.new_tree(task_ids[i])
@@ -165,7 +171,7 @@ class RolloutDataModule(L.LightningDataModule):
         score = self._prior_scores if used_prior else module.predict_success
         weights_used = fingerprint(module)
         sync_seconds = self._sync_engine(runner.engine, module)
-        rank_zero_info(
+        _log_info(
             f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
         )
         start = time.perf_counter()
@@ -179,7 +185,7 @@ class RolloutDataModule(L.LightningDataModule):
         sample_seconds = time.perf_counter() - start
         self.local_trees = local.trees  # this process's part (all of it, in a single process)
         result, counters = self._gathered(local, runner.counters)
-        rank_zero_info(
+        _log_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )

