@@ -141,15 +141,17 @@ def test_a_library_logger_goes_to_the_run_log_file(tmp_path):
     library.propagate, library.level = False, logging.INFO
     log_file = logging.FileHandler(tmp_path / "trainer.log")  # what Hydra puts on the root logger
     root = logging.getLogger()
-    root.addHandler(log_file)
-    old_level = root.level
-    root.setLevel(logging.INFO)
+    saved = root.handlers[:]  # pytest's own handlers, put back below
     try:
+        root.handlers = [logging.StreamHandler(console), log_file]  # Hydra's console and file
         route_logger_to_run_log("fake_vllm")
-        library.info("Automatically detected platform cpu.")
+        library.warning("libtcmalloc is not found in LD_PRELOAD.")
+        assert library.handlers == [log_file] and not library.propagate
+        root.handlers = []  # no Hydra: records propagate as usual
+        route_logger_to_run_log("fake_vllm")
+        assert library.propagate and library.handlers == []
     finally:
-        root.removeHandler(log_file)
-        root.setLevel(old_level)
+        root.handlers = saved
         log_file.close()
-    assert console.getvalue() == ""
-    assert "Automatically detected platform cpu." in (tmp_path / "trainer.log").read_text()
+    assert console.getvalue() == ""  # neither its own handler nor the root's console saw it
+    assert "libtcmalloc is not found" in (tmp_path / "trainer.log").read_text()
