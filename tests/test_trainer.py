@@ -18,6 +18,7 @@ from omegaconf.errors import ValidationError
 from trace_lightning import config, trainer
 from trace_lightning.allocation import BudgetError, TreeAllocator
 from trace_lightning.models import prepare_smollm2
+from trace_lightning.warmstart import policy_path
 
 CONF = config.conf_dir()
 GROUP_OPTIONS = [
@@ -55,7 +56,10 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
         return
     if group == "model" and option == "local":
         with pytest.raises(Exception, match="model.path"):
-            instantiate(node)
+            policy_path(node)
+        return
+    if group == "model":  # the trainer builds the model folder through policy_path (model.warm_start)
+        assert Path(policy_path(node)).is_dir()
         return
     if group == "callbacks":
         assert all(instantiate(c) is not None for c in node.values())

@@ -24,6 +24,7 @@ from trace_lightning.checkpoints import AtomicCheckpointIO, newest_valid_checkpo
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
+from trace_lightning.warmstart import policy_path
 
 config.register()
 
@@ -35,7 +36,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
-    model_path = str(instantiate(cfg.model))
+    model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
     module = TraceModule(
         model_path,
         optimizer=instantiate(cfg.optimizer),
@@ -83,7 +84,7 @@ def _logger(
         return instantiate(cfg.logger, run_id=run_id)
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
-    _mark_model_training(logger)
+    mark_model_training(logger)
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
     return logger
@@ -98,7 +99,7 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 MODEL_TRAINING_VIEW = "workflowType=machine_learning"
 
 
-def _mark_model_training(logger: Any) -> None:
+def mark_model_training(logger: Any) -> None:
     """Tag the MLflow experiment as one for model training (the marker MLflow 3 UIs before 3.17 read)."""
     if isinstance(logger, MLFlowLogger) and logger.experiment_id is not None:
         logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)

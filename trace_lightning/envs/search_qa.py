@@ -270,10 +270,13 @@ class SearchQAEnv:
         self.top_k, self.reward, self.snippet_chars = top_k, reward, snippet_chars
         self._corpus = None if corpus is None else list(corpus)
         self._index: BM25Index | None = None
+        # task id -> the pages the data cites for it (the warm start's demonstrations search for them)
+        self.cited: dict[int, tuple[str, ...]] = {}
         if tasks is None:
             pages = dict(self._corpus if self._corpus is not None else load_wiki_corpus())
             subs = load_fanout_subquestions(pages, split)
             tasks = [Task(i, sub.question, sub.answers) for i, sub in enumerate(subs)]
+            self.cited = {i: sub.titles for i, sub in enumerate(subs)}
         self._tasks = list(tasks)[:max_tasks]
 
     def tasks(self) -> Sequence[Task]:
