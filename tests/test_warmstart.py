@@ -5,6 +5,8 @@ episode, and the trainer loads a saved warm start."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -198,3 +200,13 @@ def test_held_out_split_is_seeded_and_validated():
     )
     with pytest.raises(ValueError, match="held_out"):
         split_tasks(range(4), 4, seed=0)
+
+
+def test_the_warm_start_eval_script_runs_on_a_tiny_model(tiny_model_dir):
+    script = Path(__file__).parents[1] / "benchmarks" / "warmstart_eval.py"
+    args = ["--model", tiny_model_dir, "--env", "math_tool", "--held-out", "2", "--samples", "1"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["held_out_task_ids"]) == 2 and 0.0 <= result["success"] <= 1.0
+    assert 1.0 <= result["turns_mean"] <= 3.0  # at most 3 turns, at least one
