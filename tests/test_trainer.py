@@ -18,6 +18,7 @@ from omegaconf.errors import ValidationError
 from trace_lightning import config, trainer
 from trace_lightning.allocation import BudgetError, TreeAllocator
 from trace_lightning.models import prepare_smollm2
+from trace_lightning.warmstart import policy_path
 
 CONF = config.conf_dir()
 GROUP_OPTIONS = [
@@ -55,7 +56,10 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
         return
     if group == "model" and option == "local":
         with pytest.raises(Exception, match="model.path"):
-            instantiate(node)
+            policy_path(node)
+        return
+    if group == "model":  # the trainer builds the model folder through policy_path (model.warm_start)
+        assert Path(policy_path(node)).is_dir()
         return
     if group == "callbacks":
         assert all(instantiate(c) is not None for c in node.values())
@@ -117,7 +121,12 @@ def test_cli_run_lands_in_mlflow_and_resume_continues_the_run(tmp_path):
     first = run_cli(tmp_path, f"run_dir={run_dir}", "trainer.max_epochs=1", "budget.leaves=6")
     assert first.returncode == 0, first.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
+    experiment = client.get_experiment_by_name("trace_lightning")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # a training experiment
+    (run,) = client.search_runs([experiment.experiment_id])
+    # the printed link opens the run page in the UI's Model training view (tests/test_mlflow_ui.py)
+    link = f"#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning"
+    assert link in first.stdout
     assert run.data.params["budget.leaves"] == "6"
     assert run.data.tags["allocator"] == "trace" and run.data.tags["env"] == "chain"
     assert "train/loss" in run.data.metrics

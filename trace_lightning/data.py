@@ -13,6 +13,7 @@ returns all three so a resumed run continues the same sequence.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
@@ -44,6 +45,10 @@ from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
 from trace_lightning.tree import RolloutTree, backup
+
+# The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
+# display (console.IterationProgress) shows the same counts as they happen.
+_log_info = rank_zero_only(logging.getLogger(__name__).info)
 
 
 @dataclass
@@ -120,6 +125,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._runner: ReActRunner | None = None
         self._engine_version: float | None = None  # policy fingerprint the engine last synced to
         self.local_trees: list[RolloutTree] = []
+        self.on_episode_end: Callable[[], None] | None = None  # called as each episode ends (progress bars)
 
     def _runner_for(self, module: Any) -> ReActRunner:
         if self._runner is None:
@@ -172,14 +178,14 @@ class RolloutDataModule(L.LightningDataModule):
         and the cold-start prior see every process's trees; the batches hold this process's only.
         """
         runner = self._runner_for(module)
-        runner.counters = RolloutCounters()
+        runner.counters, runner.on_episode_end = RolloutCounters(), self.on_episode_end
         pool_ids = self.selection.draw_pool(sorted(runner.tasks), self.pool_size, self.iteration, self.rng)
         pool = [runner.new_tree(t) for t in pool_ids]
         used_prior = self.prior.active(self.iteration)
         score = _RecordingScorer(module, self.prior, used_prior)
         weights_used = fingerprint(module)
         sync_seconds = self._sync_engine(runner.engine, module)
-        rank_zero_info(
+        _log_info(
             f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
         )
         start = time.perf_counter()
@@ -197,7 +203,7 @@ class RolloutDataModule(L.LightningDataModule):
         sample_seconds = time.perf_counter() - start
         self.local_trees = local.trees  # this process's part (all of it, in a single process)
         result, counters = self._gathered(local, runner.counters)
-        rank_zero_info(
+        _log_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )

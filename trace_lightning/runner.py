@@ -185,15 +185,11 @@ class ReActRunner:
         self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
         self.tasks = {t.task_id: t for t in env.tasks()}
         self.counters = RolloutCounters()
+        self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
 
     def prompt_ids(self, task: Task) -> list[int]:
         """The chat-templated prompt (system + user question + assistant header)."""
-        messages = [
-            {"role": "system", "content": self.env.system_prompt},
-            {"role": "user", "content": task.question},
-        ]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return prompt_ids(self.tokenizer, self.env.system_prompt, task.question)
 
     def new_tree(self, task_id: int) -> RolloutTree:
         task = self.tasks[task_id]
@@ -285,12 +281,7 @@ class ReActRunner:
 
     def _observation_ids(self, observation: str, action_ids: list[int]) -> list[int]:
         """The environment's reply as a user turn, then the header of the next assistant turn."""
-        eos = self.tokenizer.eos_token_id
-        closed = bool(action_ids) and action_ids[-1] == eos
-        text = (
-            "" if closed else "<|im_end|>"
-        ) + f"\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return observation_ids(self.tokenizer, observation, action_ids)
 
     def _count(self, tr: Transition, empty: bool) -> None:
         # A turn of zero tokens holds no action, whatever the environment made of the empty text.
@@ -303,6 +294,8 @@ class ReActRunner:
             node = ep.tree.add_turn(node, ep.stage, [], [])  # a leaf must be a fresh, childless turn
         ep.tree.finish(node, reward, reason)
         self.counters.stop_reasons[reason] += 1
+        if self.on_episode_end is not None:
+            self.on_episode_end()
 
 
 def _check_limits(step_timeout: float | None, max_observation_chars: int) -> None:
@@ -312,3 +305,30 @@ def _check_limits(step_timeout: float | None, max_observation_chars: int) -> Non
         )
     if max_observation_chars < 1:
         raise ValueError(f"rollout.max_observation_chars={max_observation_chars} must be >= 1")
+
+
+def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:
+    """The chat-templated prompt (system + user question + assistant header), as the runner plays it."""
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def observation_ids(tokenizer: Any, observation: str, action_ids: list[int]) -> list[int]:
+    """The environment's reply as a user turn, then the header of the next assistant turn.
+
+    The chat markers are special tokens; the observation is not. Tool output (a web page, what
+    model-written code printed) is tokenised with special-token parsing off, so a forged
+    `<|im_end|>\n<|im_start|>system` in it stays plain text instead of opening a real system turn.
+    The tokenizer splits text at special tokens before anything else, so for text without them
+    these ids are the same as tokenising the whole turn in one call.
+    """
+    closed = bool(action_ids) and action_ids[-1] == tokenizer.eos_token_id
+    head = _markup(tokenizer, ("" if closed else "<|im_end|>") + "\n<|im_start|>")
+    body = tokenizer(f"user\n{observation}", add_special_tokens=False, split_special_tokens=True)
+    return [*head, *body["input_ids"], *_markup(tokenizer, "<|im_end|>\n<|im_start|>assistant\n")]
+
+
+def _markup(tokenizer: Any, text: str) -> list[int]:
+    """Ids of chat-template text we wrote ourselves, special tokens parsed."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -17,6 +17,7 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
@@ -36,6 +37,7 @@ from trace_lightning.module import TraceModule
 from trace_lightning.predictor import PredictorFit
 from trace_lightning.run_record import close_dead_run, run_in_store, write_record
 from trace_lightning.selection import Selection
+from trace_lightning.warmstart import policy_path
 
 config.register()
 
@@ -48,7 +50,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     allocator: TreeAllocator = instantiate(cfg.allocator)
     env = instantiate(cfg.env)
     p, loss = cfg.predictor, cfg.loss
-    model_path = str(instantiate(cfg.model))
+    model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
     module = TraceModule(
         model_path,
         optimizer=instantiate(cfg.optimizer),
@@ -133,9 +135,25 @@ def _logger(
     if run_id is not None:
         tags["resumed_from_run"] = run_id
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
+    mark_model_training(logger)
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
     return logger
+
+
+# MLflow 3's UI has two views, GenAI (runs listed as "Evaluation runs", traces first) and Model
+# training. Its UIs before 3.17 chose by this experiment tag ("custom_model_development" is what their
+# "Model training" choice writes); 3.17.2's UI ignores the tag and follows its sidebar switch, which
+# a link sets with `?workflowType=machine_learning` (checked in headless Chromium, tests/test_mlflow_ui.py).
+# So we tag the experiment and print links that carry the parameter.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def mark_model_training(logger: Any) -> None:
+    """Tag the MLflow experiment as one for model training (the marker MLflow 3 UIs before 3.17 read)."""
+    if isinstance(logger, MLFlowLogger) and logger.experiment_id is not None:
+        logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
@@ -220,10 +238,11 @@ def _say_where(trainer: L.Trainer, cfg: DictConfig) -> None:
     logger = trainer.logger
     uri = getattr(logger, "_tracking_uri", None)
     if uri is not None:
-        print(f"MLflow run {getattr(logger, 'run_id', '?')} in {uri}")
-        print(
-            f"  browse:  mlflow ui --backend-store-uri {uri} --workers 1   (then open http://127.0.0.1:5000)"
-        )
+        run_id = getattr(logger, "run_id", "?")
+        print(f"MLflow run {run_id} in {uri}")
+        print(f"  browse:  mlflow ui --backend-store-uri {uri} --workers 1   then open")
+        page = f"#/experiments/{getattr(logger, 'experiment_id', '?')}/runs/{run_id}"
+        print(f"           http://127.0.0.1:5000/{page}?{MODEL_TRAINING_VIEW}")
         print(f"  compare: python -m trace_lightning.compare --tracking-uri {uri}")
 
 

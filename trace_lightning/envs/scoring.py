@@ -80,7 +80,9 @@ def contains_answer(pred: str, golds: Sequence[str]) -> float:
     """1.0 if some normalised gold appears as a whole-word span of the normalised prediction.
 
     For small chat models that answer in a sentence ("The capital is Rome."), where EM is always 0.
-    Lenient by design: a reply that lists several candidates including the gold counts as correct.
+    Lenient by design, so it can be gamed: a reply that lists several candidates including the gold
+    counts as correct (15 common golds in one reply win 30 of the 76 search_qa tasks). The shipped
+    config uses token F1, which divides the credit by the reply's length.
     """
     words = normalize_answer(pred).split()
     for gold in golds:

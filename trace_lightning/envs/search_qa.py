@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from trace_lightning.envs.actions import Action, ActionError, parse_action
+from trace_lightning.envs.actions import MAX_ARGUMENT_CHARS, Action, ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.scoring import normalize_answer, score_answer
 
@@ -270,10 +270,13 @@ class SearchQAEnv:
         self.top_k, self.reward, self.snippet_chars = top_k, reward, snippet_chars
         self._corpus = None if corpus is None else list(corpus)
         self._index: BM25Index | None = None
+        # task id -> the pages the data cites for it (the warm start's demonstrations search for them)
+        self.cited: dict[int, tuple[str, ...]] = {}
         if tasks is None:
             pages = dict(self._corpus if self._corpus is not None else load_wiki_corpus())
             subs = load_fanout_subquestions(pages, split)
             tasks = [Task(i, sub.question, sub.answers) for i, sub in enumerate(subs)]
+            self.cited = {i: sub.titles for i, sub in enumerate(subs)}
         self._tasks = list(tasks)[:max_tasks]
 
     def tasks(self) -> Sequence[Task]:
@@ -305,7 +308,7 @@ class SearchQAEnv:
     def step(self, task: Task, state: tuple[str, ...], action_text: str) -> Transition:
         action = parse_action(action_text, self.actions)
         if isinstance(action, ActionError) and self._final_reply(action_text):
-            action = Action("answer", action_text.strip())
+            action = _untagged_answer(action_text.strip())
         if isinstance(action, ActionError):
             return _reply(f"error: {action.message}", state, format_error=True)
         if action.name == "answer":
@@ -322,6 +325,14 @@ class SearchQAEnv:
             return _reply("no results: try other keywords", queries, tool="search")
         lines = (f"[{rank}] {title}: {snippet}" for rank, (title, snippet) in enumerate(hits, start=1))
         return _reply("\n".join(lines), queries, tool="search")
+
+
+def _untagged_answer(text: str) -> Action | ActionError:
+    """An untagged final reply, held to the same length cap as a tagged `<answer>` argument: without
+    it a long reply could list many guesses where a tagged one could not."""
+    if len(text) > MAX_ARGUMENT_CHARS:
+        return ActionError(f"the answer has {len(text)} characters; keep it under {MAX_ARGUMENT_CHARS}.")
+    return Action("answer", text)
 
 
 def _reply(text: str, state: tuple[str, ...], **flags: Any) -> Transition:

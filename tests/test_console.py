@@ -1,0 +1,157 @@
+"""The console (issue 12, item 6): the end-of-fit summary from known reports, one progress bar per
+iteration through a real fit, no repeated sync_dist warnings, and vLLM-style loggers sent to the log
+file."""
+
+import io
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import quiet_trainer
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from test_callbacks import make_report
+from test_training import make_data
+from torch.utils._pytree import LeafSpec
+
+from trace_lightning.callbacks import RolloutStats
+from trace_lightning.console import (
+    FitSummary,
+    IterationProgress,
+    IterationSummary,
+    RunSummary,
+    iteration_summary,
+    quiet_known_warnings,
+    summary_text,
+)
+from trace_lightning.engines.vllm import route_logger_to_run_log
+from trace_lightning.module import TraceModule
+
+SYNC_DIST = "It is recommended to use `self.log("
+
+
+def row(iteration, success, effective, roots, prefixes, tokens, turns, sample, train):
+    return IterationSummary(
+        iteration, success, effective, roots, prefixes, 12, tokens, turns, sample, 0.5, train
+    )
+
+
+def test_iteration_summary_of_a_hand_built_report():
+    report = make_report()  # test_callbacks: a mixed tree (3 leaves, 1 win) and a failed one (2 leaves)
+    report.sample_seconds, report.sync_seconds = 2.5, 0.25
+    got = iteration_summary(report, train_seconds=1.5)
+    # 1 win in 5 leaves; 1 of 2 trees mixed, at its root and at prefix node 1; the ledger charged
+    # 3+2+4+4+1 = 14 tokens; leaf depths 2, 1, 2, 1, 1.
+    assert got == IterationSummary(0, 0.2, 0.5, 1, 1, 5, 14, 1.4, 2.5, 0.25, 1.5)
+
+
+def test_summary_text_from_known_iterations():
+    summary = FitSummary(
+        (
+            row(0, 0.25, 0.5, 2, 0, 1234, 1.5, sample=10.0, train=3.5),
+            row(1, 0.75, 1.0, 3, 2, 2000, 2.0, sample=12.0, train=4.5),
+        ),
+        wall_seconds=95.0,
+    )
+    assert summary_text(summary).splitlines() == [
+        "TRACE summary: 2 iterations in 1 min 35 s",
+        "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  sample s  train s",
+        "     0     0.25       0.50              2 / 0      12    1,234   1.50      10.0      3.5",
+        "     1     0.75       1.00              3 / 2      12    2,000   2.00      12.0      4.5",
+        # (0.25 * 12 + 0.75 * 12) / 24 leaves; (0.5 + 1.0) / 2 iterations
+        "success 0.50 over all leaves (first iteration 0.25, last 0.75); effective ratio 0.75",
+        "mixed anchors: 5 roots, 2 turn prefixes; 24 leaves, 3,234 generated tokens",
+        # 95 s of wall time less 22 s sampling, 2 x 0.5 s sync and 8 s training
+        "time: sampling 22.0 s, weight sync 1.0 s, training 8.0 s, other 1 min 04 s",
+    ]
+
+
+def test_a_long_run_summary_stays_one_screen():
+    its = tuple(row(i, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0) for i in range(40))
+    lines = summary_text(FitSummary(its, 200.0)).splitlines()
+    assert len(lines) == 2 + 6 + 1 + 6 + 3  # title, header, first 6, "... 28 more", last 6, totals
+    assert "  ... 28 more" in lines and lines[-4].split()[0] == "39"
+    assert summary_text(FitSummary((), 3.0)) == "TRACE summary: no iteration finished (3.0 s)."
+
+
+def fit_two_iterations(tiny_model_dir, callbacks, progress_bar=False):
+    torch.manual_seed(0)
+    module = TraceModule(tiny_model_dir, torch.optim.AdamW, predictor_width=16, temperature=1.0)
+    data = make_data()
+    quiet_trainer(max_epochs=2, callbacks=callbacks, enable_progress_bar=progress_bar).fit(
+        module, datamodule=data
+    )
+    return data
+
+
+def test_one_bar_per_iteration_then_the_summary(tiny_model_dir, capsys):
+    summary = RunSummary()
+    data = fit_two_iterations(tiny_model_dir, [IterationProgress(), summary], progress_bar=True)
+    out = capsys.readouterr()
+    leaves = data.budget.leaves
+    for k in range(2):  # the bar counted every episode against the leaf budget, then the steps
+        assert f"iteration {k}: sampling:   0%|          | 0/{leaves} [" in out.err
+        assert f"iteration {k}: {leaves} episodes sampled, training: 100%" in out.err
+    assert [r.iteration for r in summary.rows] == [0, 1]
+    assert summary.rows[-1] == iteration_summary(data.report, summary.rows[-1].train_seconds)
+    assert "TRACE summary: 2 iterations in" in out.out and out.out.count("TRACE summary") == 1
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    """torch.distributed initialised with world size 1 in this process, as vLLM does at start-up."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sync_dist_warnings(record):
+    return [w for w in record if SYNC_DIST in str(w.message) and "sync_dist=True" in str(w.message)]
+
+
+def test_no_sync_dist_warning_per_metric_in_a_single_process(tiny_model_dir, single_process_group):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit_two_iterations(tiny_model_dir, [RolloutStats()])
+    assert len(sync_dist_warnings(record)) > 20  # the cause is real: one warning per metric
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit_two_iterations(tiny_model_dir, [RolloutStats(), RunSummary()])
+    assert sync_dist_warnings(record) == []
+
+
+def test_the_sync_dist_filter_stays_off_with_several_processes():
+    message = (
+        f"{SYNC_DIST}'rollout/x', ..., sync_dist=True)` when logging on epoch level in distributed setting"
+    )
+    for world, expected in ((2, 1), (1, 0)):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            quiet_known_warnings(world)
+            warnings.warn(message, PossibleUserWarning, stacklevel=1)
+            LeafSpec()  # torch's deprecation, raised inside Lightning every iteration: always silenced
+        assert len(record) == expected
+
+
+def test_a_library_logger_goes_to_the_run_log_file(tmp_path):
+    library = logging.getLogger("fake_vllm")
+    console = io.StringIO()
+    library.addHandler(logging.StreamHandler(console))  # what vLLM does at import
+    library.propagate, library.level = False, logging.INFO
+    log_file = logging.FileHandler(tmp_path / "trainer.log")  # what Hydra puts on the root logger
+    root = logging.getLogger()
+    saved = root.handlers[:]  # pytest's own handlers, put back below
+    try:
+        root.handlers = [logging.StreamHandler(console), log_file]  # Hydra's console and file
+        route_logger_to_run_log("fake_vllm")
+        library.warning("libtcmalloc is not found in LD_PRELOAD.")
+        assert library.handlers == [log_file] and not library.propagate
+        root.handlers = []  # no Hydra: records propagate as usual
+        route_logger_to_run_log("fake_vllm")
+        assert library.propagate and library.handlers == []
+    finally:
+        root.handlers = saved
+        log_file.close()
+    assert console.getvalue() == ""  # neither its own handler nor the root's console saw it
+    assert "libtcmalloc is not found" in (tmp_path / "trainer.log").read_text()

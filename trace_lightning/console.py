@@ -1,0 +1,269 @@
+"""What a person watching `fit` sees: one progress bar per iteration and a one-screen summary at the end.
+
+An iteration has two phases, so its one bar has two: episodes finished out of the leaf budget while
+the trees are sampled, then training steps. Everything else belongs in the run's log file: under
+Hydra (`<run_dir>/trainer.log`) conf/train.yaml sends only warnings to the console, the DataModule's
+iteration lines go to the log, and the vLLM engine routes vLLM's own logger there too
+(`engines.vllm.route_logger_to_run_log`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from tqdm.auto import tqdm
+
+from trace_lightning.data import IterationReport
+from trace_lightning.tree import tree_stats
+
+SUCCESS = 0.5  # reward at or above which a leaf counts as a success, as in `tree.backup`
+
+
+def quiet_known_warnings(world_size: int) -> None:
+    """Silence the Lightning warnings that repeat every iteration and say nothing about this run.
+
+    - "use sync_dist=True when logging on epoch level in distributed setting", once per metric (54
+      of them): vLLM initialises torch.distributed in-process, so Lightning believes a single-process
+      run is distributed. Our callbacks already pass sync_dist=True; with one process there is
+      nothing to sync, so this is only silenced when `world_size == 1`.
+    - torch 2.13's FutureWarning on `LeafSpec`, raised inside lightning 2.6 every iteration: nothing a
+      user can act on. ("once" does not hold: Python forgets what it showed whenever any code
+      changes the warning filters, which Lightning does every epoch.)
+    """
+    if world_size == 1:
+        warnings.filterwarnings(
+            "ignore",
+            message=r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level",
+            category=PossibleUserWarning,
+        )
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+
+
+# --------------------------------------------------------------------------- the run summary
+
+
+@dataclass(frozen=True)
+class IterationSummary:
+    """One iteration, as the summary table shows it."""
+
+    iteration: int
+    success_rate: float  # share of leaves with reward >= 0.5
+    effective_ratio: float  # share of prompts whose tree has both outcomes
+    mixed_roots: int  # trees whose root is mixed
+    mixed_prefixes: int  # mixed nodes at depth >= 1 (contrast only Stage 2 can create)
+    leaves: int
+    tokens: int  # generated tokens
+    turns_mean: float  # turns per episode
+    sample_seconds: float
+    sync_seconds: float
+    train_seconds: float
+
+
+@dataclass(frozen=True)
+class FitSummary:
+    iterations: tuple[IterationSummary, ...]
+    wall_seconds: float  # the whole fit, set-up included
+
+
+def iteration_summary(report: IterationReport, train_seconds: float) -> IterationSummary:
+    """The summary row of one iteration's report."""
+    trees = report.result.trees
+    stats = [tree_stats(t, SUCCESS) for t in trees]
+    leaves = [t.nodes[leaf] for t in trees for leaf in t.leaves()]
+    n = max(len(leaves), 1)
+    return IterationSummary(
+        iteration=report.iteration,
+        success_rate=sum(float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves) / n,
+        effective_ratio=sum(s.mixed for s in stats) / max(len(stats), 1),
+        mixed_roots=sum(int(s.mixed) for s in stats),
+        mixed_prefixes=sum(sum(s.mixed_by_depth[1:]) for s in stats),
+        leaves=report.result.ledger.leaves_used,
+        tokens=report.result.ledger.tokens_used,
+        turns_mean=sum(leaf.depth for leaf in leaves) / n,
+        sample_seconds=report.sample_seconds,
+        sync_seconds=report.sync_seconds,
+        train_seconds=train_seconds,
+    )
+
+
+MAX_ROWS = 12  # a longer run shows its first and last iterations, so the summary stays one screen
+
+
+def summary_text(summary: FitSummary) -> str:
+    """The end-of-fit summary: a row per iteration, then totals and where the time went."""
+    its = summary.iterations
+    if not its:
+        return f"TRACE summary: no iteration finished ({_duration(summary.wall_seconds)})."
+    header = "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  sample s  train s"
+    shown = its if len(its) <= MAX_ROWS else (*its[: MAX_ROWS // 2], None, *its[-MAX_ROWS // 2 :])
+    rows = [_row(it) if it is not None else f"  ... {len(its) - MAX_ROWS} more" for it in shown]
+    leaves, tokens = sum(it.leaves for it in its), sum(it.tokens for it in its)
+    sample, sync, train = (sum(getattr(it, f) for it in its) for f in _PHASES)
+    other = max(summary.wall_seconds - sample - sync - train, 0.0)
+    mean_success = sum(it.success_rate * it.leaves for it in its) / max(leaves, 1)
+    return "\n".join(
+        [
+            f"TRACE summary: {len(its)} iterations in {_duration(summary.wall_seconds)}",
+            header,
+            *rows,
+            f"success {mean_success:.2f} over all leaves (first iteration {its[0].success_rate:.2f}, last "
+            f"{its[-1].success_rate:.2f}); effective ratio {_mean(its, 'effective_ratio'):.2f}",
+            f"mixed anchors: {sum(it.mixed_roots for it in its)} roots, "
+            f"{sum(it.mixed_prefixes for it in its)} turn prefixes; {leaves} leaves, "
+            f"{tokens:,} generated tokens",
+            f"time: sampling {_duration(sample)}, weight sync {_duration(sync)}, training "
+            f"{_duration(train)}, other {_duration(other)}",
+        ]
+    )
+
+
+_PHASES = ("sample_seconds", "sync_seconds", "train_seconds")
+
+
+def _row(it: IterationSummary) -> str:
+    mixed = f"{it.mixed_roots} / {it.mixed_prefixes}"
+    return (
+        f"  {it.iteration:>4}  {it.success_rate:>7.2f}  {it.effective_ratio:>9.2f}  {mixed:>17}  "
+        f"{it.leaves:>6}  {it.tokens:>7,}  {it.turns_mean:>5.2f}  {it.sample_seconds:>8.1f}  "
+        f"{it.train_seconds:>7.1f}"
+    )
+
+
+def _mean(its: tuple[IterationSummary, ...], name: str) -> float:
+    return sum(getattr(it, name) for it in its) / len(its)
+
+
+def _duration(seconds: float) -> str:
+    """`42.0 s`, or `3 min 05 s` from a minute on."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
+class RunSummary(Callback):
+    """Collects each iteration's `IterationSummary` and prints the summary when `fit` ends."""
+
+    def __init__(self) -> None:
+        self.rows: list[IterationSummary] = []
+        self._fit_start = self._epoch_start = 0.0
+        self._report: IterationReport | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        quiet_known_warnings(trainer.world_size)  # as the progress bar does, for runs without one
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.rows, self._fit_start = [], time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        report = getattr(getattr(trainer, "datamodule", None), "report", None)
+        # On resume the first epoch re-serves an iteration already trained on: not a new row.
+        fresh = report is not None and all(r.iteration != report.iteration for r in self.rows)
+        self._report, self._epoch_start = (report if fresh else None), time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._report is not None:
+            self.rows.append(iteration_summary(self._report, time.perf_counter() - self._epoch_start))
+
+    def summary(self) -> FitSummary:
+        return FitSummary(tuple(self.rows), time.perf_counter() - self._fit_start)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            print("\n" + summary_text(self.summary()))
+
+
+# --------------------------------------------------------------------------- the progress bar
+
+
+class IterationProgress(ProgressBar):
+    """One bar per iteration: episodes finished while sampling, then training steps.
+
+    The DataModule samples inside `train_dataloader()`, before any training hook of the epoch runs,
+    so the bar learns of each finished episode through `datamodule.on_episode_end`, which it sets.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled, self._sampled, self._loss = True, 0, "-"
+        self._bar: Any = None  # the tqdm bar of the iteration in progress
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # disables the bar on every process but the first
+        quiet_known_warnings(trainer.world_size)
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "on_episode_end"):
+            datamodule.on_episode_end = self.episode_done
+
+    def episode_done(self) -> None:
+        if not self._enabled:
+            return
+        if self._bar is None:
+            # With several processes each samples its share of the budget: no total to count towards.
+            leaves = getattr(getattr(self.trainer, "datamodule", None), "budget", None)
+            total = leaves.leaves if leaves is not None and self.trainer.world_size == 1 else None
+            self._bar = self._open(f"iteration {self.trainer.current_epoch}: sampling", total, "episode")
+        self._bar.update(1)
+        self._sampled = self._bar.n
+
+    def _open(self, description: str, total: int | float | None, unit: str) -> Any:
+        return tqdm(total=total, desc=description, unit=unit, leave=True, dynamic_ncols=True)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._enabled:
+            return
+        description = f"iteration {trainer.current_epoch}: {self._sampled} episodes sampled, training"
+        if self._bar is None:
+            self._bar = self._open(description, self.total_train_batches, "step")
+        else:
+            self._bar.set_description(description, refresh=False)
+            self._bar.unit = "step"
+            self._bar.reset(total=self.total_train_batches)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._enabled and self._bar is not None:
+            self._bar.update(1)
+            loss = trainer.callback_metrics.get("train/loss")
+            if loss is not None:
+                self._loss = f"{float(loss):.4f}"
+                self._bar.set_postfix(loss=self._loss, refresh=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._bar is None:
+            return
+        report = getattr(getattr(trainer, "datamodule", None), "report", None)
+        if report is not None and report.iteration == trainer.current_epoch:
+            row = iteration_summary(report, 0.0)
+            self._bar.set_postfix(
+                loss=self._loss, success=f"{row.success_rate:.2f}", effective=f"{row.effective_ratio:.2f}"
+            )
+        self._bar.close()
+        self._bar, self._sampled, self._loss = None, 0, "-"
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._bar is not None:  # a fit stopped mid-iteration
+            self._bar.close()
+            self._bar = None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        tqdm.write(" ".join(str(a) for a in args))

@@ -1,0 +1,115 @@
+"""ReAct demonstrations built from each environment's own gold data, for the supervised warm start.
+
+A demonstration is the turns an agent should take: one tool call, then the answer. Its observations
+are never written by hand: every action is replayed through the real environment, which returns the
+observation (the BM25 tool's real search result, the calculator's real output) and, on the answer,
+the reward. Only demonstrations whose tool result shows the gold and whose answer the environment
+scores 1.0 are kept, so the model is taught to read its answer from the tool, never to guess.
+
+- search_qa: `<search>` the question (or, when that misses, the cited page's title with it), then
+  `<answer>` the gold.
+- math_tool (generated problems): `<calculate>` the expression the problem's sentences spell out,
+  then `<answer>` the gold. GSM8K problems are skipped: their text does not determine an expression.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trace_lightning.envs.base import Task
+from trace_lightning.envs.scoring import normalize_answer
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    task: Task
+    actions: tuple[str, ...]  # the policy's turns, in order; the last one is the answer
+    observations: tuple[str, ...]  # the environment's reply after each turn but the last
+    reward: float  # what the environment gave the final turn
+
+
+def replay(env: Any, task: Task, actions: Sequence[str]) -> Demonstration | None:
+    """Play `actions` through `env`; the demonstration, or None if it ends early or never ends."""
+    state, observations = env.initial_state(task), []
+    for i, action in enumerate(actions):
+        tr = env.step(task, state, action)
+        if tr.done:  # an answer before the last action is not the demonstration we meant
+            if i < len(actions) - 1:
+                return None
+            return Demonstration(task, tuple(actions), tuple(observations), float(tr.reward))
+        observations.append(tr.observation)
+        state = tr.state
+    return None
+
+
+def _shows(observation: str, golds: Sequence[str]) -> bool:
+    text = normalize_answer(observation)
+    return any(normalize_answer(g) and normalize_answer(g) in text for g in golds)
+
+
+def _accept(demo: Demonstration | None) -> bool:
+    return demo is not None and demo.reward == 1.0 and _shows(demo.observations[-1], demo.task.answer)
+
+
+def search_qa_demo(env: Any, task: Task) -> Demonstration | None:
+    """Search the question (then the cited title with it), answer the gold; None if no search shows it."""
+    question = task.question.rstrip("?").strip()
+    titles = getattr(env, "cited", {}).get(task.task_id, ())
+    queries = [question, *(f"{title} {question}" for title in titles)]
+    for query in queries:
+        demo = replay(env, task, [f"<search>{query}</search>", f"<answer>{task.answer[0]}</answer>"])
+        if _accept(demo):
+            return demo
+    return None
+
+
+_START = re.compile(r"^\w+ has (\d+) ")
+_STEPS = (
+    (re.compile(r"buys (\d+) more"), "+"),
+    (re.compile(r"gives away (\d+)"), "-"),
+    (re.compile(r"ends up with (\d+) times as many"), "*"),
+    (re.compile(r"splits them into (\d+) equal groups"), "/"),
+)
+
+
+def generated_expression(question: str) -> str | None:
+    """The arithmetic a generated word problem spells out, step by step ("(12 + 7) * 3"), or None.
+
+    Reads the sentences `math_tool.generate_problems` writes; any other text gives None.
+    """
+    start = _START.match(question)
+    if start is None:
+        return None
+    expression = start.group(1)
+    for sentence in question.split(". ")[1:]:
+        for pattern, op in _STEPS:
+            if (m := pattern.search(sentence)) is not None:
+                expression = f"({expression} {op} {m.group(1)})"
+                break
+    return expression[1:-1] if expression.startswith("(") else expression
+
+
+def math_tool_demo(env: Any, task: Task) -> Demonstration | None:
+    """Calculate the problem's expression, answer the gold; None for problems we cannot read."""
+    expression = generated_expression(task.question)
+    if expression is None:
+        return None
+    demo = replay(env, task, [f"<calculate>{expression}</calculate>", f"<answer>{task.answer[0]}</answer>"])
+    return demo if _accept(demo) else None
+
+
+BUILDERS = {"search_qa": search_qa_demo, "math_tool": math_tool_demo}
+
+
+def demonstrations(env: Any, task_ids: set[int]) -> tuple[list[Demonstration], int]:
+    """(demonstrations for the tasks in `task_ids`, how many of those tasks got none)."""
+    if env.name not in BUILDERS:
+        raise ValueError(
+            f"the warm start has demonstrations for env={sorted(BUILDERS)}, not env={env.name!r}"
+        )
+    build = BUILDERS[env.name]
+    demos = [d for t in env.tasks() if t.task_id in task_ids if (d := build(env, t)) is not None]
+    return demos, len(task_ids) - len(demos)

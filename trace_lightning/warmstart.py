@@ -1,0 +1,196 @@
+"""`python -m trace_lightning.warmstart`: the supervised warm start, before any RL.
+
+python -m trace_lightning.warmstart                        # SmolLM2 + LoRA on search_qa demonstrations
+python -m trace_lightning.warmstart env=math_tool epochs=3
+python -m trace_lightning.trainer model.warm_start=<the folder it prints>
+
+A small instruct model asked to use tools answers closed-book in one turn, so RL never sees a second
+turn to branch from. Supervised fine-tuning on the environment's own demonstrations (`demos.py`: a
+tool call, its real observation, the answer) teaches the format first. The loss is the cross-entropy
+of the policy's turns only; prompts and observations are masked, exactly as RL masks them, and the
+tokens are laid out as the runner lays them out. Held-out tasks (`held_out`, split by the same rule
+as `benchmarks/real_learning.py`) are never used. The result is a plain model folder (LoRA merged),
+which the trainer, its engines and vLLM load like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from trace_lightning import config
+from trace_lightning.demos import Demonstration, demonstrations
+from trace_lightning.models import load_policy
+from trace_lightning.runner import observation_ids, prompt_ids
+
+MARKER = "warm_start.json"  # written last into the folder: what was trained, on what
+IGNORE = -100  # label of a token the loss skips (prompt, observation, padding)
+
+
+def split_tasks(task_ids: Sequence[int], held_out: int, seed: int) -> tuple[set[int], set[int]]:
+    """(training ids, held-out ids): a seeded permutation, the first `held_out` held out. The same
+    rule as `benchmarks/real_learning.py`, so both hold out the same tasks for the same seed."""
+    ids = np.array(sorted(task_ids))
+    if not 0 <= held_out < len(ids):
+        raise ValueError(f"held_out={held_out} must be between 0 and {len(ids) - 1} ({len(ids)} tasks)")
+    perm = np.random.default_rng(seed + 7).permutation(ids)
+    return {int(i) for i in perm[held_out:]}, {int(i) for i in perm[:held_out]}
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # the token itself where the policy wrote it, IGNORE elsewhere
+
+
+def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration) -> Example:
+    """The demonstration as the runner would have tokenised the episode, turns trainable."""
+    ids = prompt_ids(tokenizer, system_prompt, demo.task.question)
+    labels = [IGNORE] * len(ids)
+    for i, action in enumerate(demo.actions):
+        action_ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
+        ids, labels = ids + action_ids, labels + action_ids
+        if i < len(demo.observations):
+            obs = observation_ids(tokenizer, demo.observations[i], action_ids)
+            ids, labels = ids + obs, labels + [IGNORE] * len(obs)
+    return Example(ids, labels)
+
+
+def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and labels [B, T]."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class WarmStartModule(L.LightningModule):
+    """The policy (LoRA or full weights) trained by cross-entropy on the demonstrated turns."""
+
+    def __init__(self, model_path: str, adapter: Any | None = None, lr: float = 2e-4) -> None:
+        super().__init__()
+        self.policy, self.tokenizer = load_policy(model_path)
+        if adapter is not None:
+            from peft import get_peft_model
+
+            self.policy = get_peft_model(self.policy, adapter)
+        self.policy.train()  # from_pretrained returns eval mode
+        self.lr = lr
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # transformers shifts the labels: position t is scored on predicting token t + 1
+        loss = self.policy(**batch).loss
+        self.log("warmstart/loss", loss.detach(), prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=self.lr)
+
+    def save(self, out_dir: Path, record: dict[str, Any]) -> Path:
+        """A plain model folder (adapters merged into the weights), its tokenizer, then the marker."""
+        model = self.policy.merge_and_unload() if hasattr(self.policy, "merge_and_unload") else self.policy
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out_dir))
+        self.tokenizer.save_pretrained(str(out_dir))
+        (out_dir / MARKER).write_text(json.dumps(record, indent=1))
+        return out_dir
+
+
+def check_warm_start(path: str) -> str:
+    """`model.warm_start=<path>` must be a folder this module wrote (it ends with the marker file)."""
+    if not (Path(path) / MARKER).is_file():
+        raise FileNotFoundError(
+            f"model.warm_start={path!r} is not a finished warm start (no {MARKER}): run "
+            "`python -m trace_lightning.warmstart` and pass the folder it prints"
+        )
+    return str(path)
+
+
+def policy_path(model_cfg: DictConfig) -> str:
+    """The policy's model folder: `model.warm_start` when set, else what the model group builds."""
+    warm = model_cfg.get("warm_start")
+    if warm is not None:
+        return check_warm_start(str(warm))
+    for key in model_cfg:
+        if OmegaConf.is_missing(model_cfg, key):
+            raise ValueError(f"model.{key} is required: pass model.{key}=... on the command line")
+    rest = OmegaConf.to_container(model_cfg, resolve=True)  # resolved here: ${run_dir} needs the root
+    assert isinstance(rest, dict)
+    rest.pop("warm_start", None)
+    return str(instantiate(rest))
+
+
+def run(cfg: DictConfig) -> Path:
+    """Build the demonstrations, fine-tune, save; the saved folder."""
+    L.seed_everything(cfg.seed, workers=True)
+    env = instantiate(cfg.env)
+    train_ids, held = split_tasks([t.task_id for t in env.tasks()], cfg.held_out, cfg.seed)
+    demos, missing = demonstrations(env, train_ids)
+    if cfg.max_demos is not None:
+        demos = demos[: cfg.max_demos]
+    if not demos:
+        raise ValueError(f"env={env.name}: no demonstration replays to reward 1 on the training tasks")
+    module = WarmStartModule(
+        policy_path(cfg.model), instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr
+    )
+    examples = [to_example(module.tokenizer, env.system_prompt, d) for d in demos]
+    pad = module.tokenizer.pad_token_id
+    loader = DataLoader(
+        examples, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: collate(b, pad)
+    )
+    logger = _logger(cfg, env.name, len(demos), missing, sorted(held))
+    trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False)
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    record = {
+        "env": env.name,
+        "demonstrations": len(demos),
+        "tasks_without_demonstration": missing,
+        "held_out_task_ids": sorted(held),
+        "epochs": cfg.trainer.max_epochs,
+        "seconds": round(time.perf_counter() - start, 1),
+        "final_loss": float(trainer.callback_metrics.get("warmstart/loss", float("nan"))),
+    }
+    out = module.save(Path(cfg.out_dir), record)
+    if trainer.is_global_zero:
+        print(f"\nwarm start: {len(demos)} demonstrations ({missing} training tasks had none), {record}")
+        print(f"  train on it: python -m trace_lightning.trainer model.warm_start={out.resolve()}")
+    return out
+
+
+def _logger(cfg: DictConfig, env_name: str, n_demos: int, missing: int, held: list[int]) -> Any:
+    if cfg.logger is None:
+        return None
+    from trace_lightning.trainer import mark_model_training
+
+    logger = instantiate(cfg.logger, run_name=f"warmstart-{env_name}", tags={"stage": "warm_start"})
+    mark_model_training(logger)
+    params = {"demonstrations": n_demos, "tasks_without_demonstration": missing, "held_out": str(held)}
+    params |= {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if not isinstance(v, dict)}
+    logger.log_hyperparams(params)
+    return logger
+
+
+@hydra.main(config_path=str(config.conf_dir()), config_name="warmstart", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
