@@ -20,7 +20,8 @@ def test_allocation_benchmark_quick_mode(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {r["predictor"] for r in rows} == {"oracle", "noisy", "learned"}
-    assert len({r["allocator"] for r in rows}) == 6
+    assert len({r["allocator"] for r in rows}) == 7
     for r in rows:  # every allocator spent exactly the same leaves every iteration
         assert r["leaves_per_iter"] == result["config"]["leaves"]
         assert 0.0 <= r["effective_ratio"] <= 1.0
+        assert 0.0 <= r["mixed_prompts_per_iter"] <= r["prompts_per_iter"]
