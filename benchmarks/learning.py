@@ -575,7 +575,7 @@ def verdicts(summary: dict[str, Any]) -> list[str]:
             bool(paired.mean() >= 0),
             f"trace's final held-out success minus GRPO's, paired over seeds: {paired.mean():+.3f} "
             f"± {paired.std(ddof=1) / np.sqrt(len(paired)) if len(paired) > 1 else float('nan'):.3f} (s.e.) "
-            f"(target >= 0; per seed {[round(x, 3) for x in paired]})",
+            f"(target >= 0; per seed {[round(float(x), 3) for x in paired]})",
         ),
     ]
     out = [f"{'PASS' if ok else 'MISS'}: {text}" for ok, text in lines]

