@@ -19,8 +19,8 @@ import random
 import string
 from collections.abc import Sequence
 
-from trace_lightning.envs.actions import ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.choice import choose_step
 from trace_lightning.envs.synthetic import ChainTask, make_tasks
 
 SYSTEM_PROMPT = "Look up each key in the table and reply <choose>letter</choose>."
@@ -73,34 +73,14 @@ class ChainEnv:
         return (0, 0)
 
     def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
-        turn, mistakes = state
         chain = self.chain_tasks[task.task_id]
-        action = parse_action(action_text, self.actions)
-        if not isinstance(action, ActionError) and action.argument.upper() not in tuple(self.letters):
-            action = ActionError(
-                f"{action.argument[:20]!r} is not a choice: write one letter of {self.letters}."
-            )
-        if isinstance(action, ActionError):
-            return Transition(
-                f"<observation>error: {action.message}</observation>",
-                False,
-                None,
-                None,
-                state,
-                format_error=True,
-            )
-        right = self.letters.index(action.argument.upper()) == chain.answers[turn]
-        turn, mistakes = turn + 1, mistakes + (not right)
-        if mistakes > chain.tolerance:
-            return Transition("", True, 0.0, "lost", (turn, mistakes), tool="choose")
-        if turn == chain.turns:
-            return Transition("", True, 1.0, "solved", (turn, mistakes), tool="choose")
-        verdict = "right" if right else "wrong"
-        return Transition(
-            f"<observation>{verdict}. Key {turn + 1}?</observation>",
-            False,
-            None,
-            None,
-            (turn, mistakes),
-            tool="choose",
+        return choose_step(
+            action_text,
+            state,
+            self.letters,
+            self.letters[chain.answers[state[0]]],
+            chain.tolerance,
+            chain.turns,
+            lambda arg: f"{arg!r} is not a choice: write one letter of {self.letters}.",
+            lambda right, turn: f"{'right' if right else 'wrong'}. Key {turn + 1}?",
         )

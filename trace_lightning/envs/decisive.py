@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trace_lightning.envs.actions import ActionError, parse_action
 from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.choice import choose_step
 
 SYSTEM_PROMPT = "Reply <choose>letter</choose>."
 TEACHER_SHIFT_ACCURACY = (1.0, 0.7, 0.35, 0.0)  # P(the warm-start teacher applies shift k correctly)
@@ -118,35 +118,17 @@ class DecisiveEnv:
         return (0, 0)
 
     def step(self, task: Task, state: tuple[int, int], action_text: str) -> Transition:
-        turn, mistakes = state
         spec = self.by_id[task.task_id]
-        action = parse_action(action_text, self.actions)
         letters = string.ascii_uppercase[: spec.n_letters]
-        if not isinstance(action, ActionError) and action.argument.upper() not in tuple(letters):
-            action = ActionError(f"{action.argument[:20]!r} is not a letter of A-{letters[-1]}.")
-        if isinstance(action, ActionError):
-            return Transition(
-                f"<observation>error: {action.message}</observation>",
-                False,
-                None,
-                None,
-                state,
-                format_error=True,
-            )
-        right = action.argument.upper() == spec.answer(turn)
-        turn, mistakes = turn + 1, mistakes + (not right)
-        if mistakes > spec.tolerance:
-            return Transition("", True, 0.0, "lost", (turn, mistakes), tool="choose")
-        if turn == spec.turns:
-            return Transition("", True, 1.0, "solved", (turn, mistakes), tool="choose")
-        verdict = "ok" if right else "no"
-        return Transition(
-            f"<observation>{verdict}. Key {turn + 1}: {spec.cue(turn)}.</observation>",
-            False,
-            None,
-            None,
-            (turn, mistakes),
-            tool="choose",
+        return choose_step(
+            action_text,
+            state,
+            letters,
+            spec.answer(state[0]),
+            spec.tolerance,
+            spec.turns,
+            lambda arg: f"{arg!r} is not a letter of A-{letters[-1]}.",
+            lambda right, turn: f"{'ok' if right else 'no'}. Key {turn + 1}: {spec.cue(turn)}.",
         )
 
 
