@@ -229,16 +229,19 @@ def our_uniform_iterations(
     )
     optimizer = module.configure_optimizers()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    seconds, prompts = [], []
+    seconds, prompts, phases = [], [], []
     for _ in range(args.trl_steps):
         start = time.perf_counter()
         batches = data.build_iteration(module)
+        report = data.report
+        phases.append({"sync": report.sync_seconds, "sampling": report.sample_seconds})
         for b in batches:
             optimizer.zero_grad(set_to_none=True)
             module.training_step(b, 0).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
         seconds.append(time.perf_counter() - start)
+        phases[-1]["rest"] = seconds[-1] - phases[-1]["sync"] - phases[-1]["sampling"]  # scoring, training
         runner = data._runner
         for tree in data.local_trees:
             task = runner.tasks[tree.task_id]
@@ -250,12 +253,14 @@ def our_uniform_iterations(
                 {"messages": messages, "prompt_ids": tree.prompt_ids, "micro_batches": len(batches)}
             )
         print(
-            f"  ours ({engine}): iteration {len(seconds) - 1} {seconds[-1]:.1f} s, "
+            f"  ours ({engine}): iteration {len(seconds) - 1} {seconds[-1]:.1f} s (sync "
+            f"{phases[-1]['sync']:.1f}, sampling {phases[-1]['sampling']:.1f}), "
             f"{len(batches)} optimizer step(s)",
             flush=True,
         )
     if hasattr(data._runner.engine, "close"):
         data._runner.engine.close()
+    print(f"  ours ({engine}) phases: {json.dumps(phases)}", flush=True)
     return seconds, prompts
 
 
