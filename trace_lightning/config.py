@@ -7,12 +7,15 @@ arguments and names its config key in the error.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from trace_lightning.selection import Selection
 
 
 @dataclass
@@ -73,18 +76,6 @@ class PredictorConfig:
 
 
 @dataclass
-class SelectionConfig:
-    thompson: bool = False
-    predictor_strength: float = 8.0
-    gate_auroc: float | None = None
-    gate_window: int = 4
-    gate_min_samples: int = 8
-    epoch_pools: bool = False
-    max_visits: int | None = None
-    visit_window: int = 8
-
-
-@dataclass
 class CheckpointsConfig:
     keep_last: int | None = 2
     allow_config_change: bool = False
@@ -115,7 +106,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    selection: Any = MISSING
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     model: Any = MISSING
     adapter: Any = None
@@ -133,9 +124,18 @@ class TrainConfig:
 
 def register() -> None:
     """Make the schema and the `${abspath:...}` resolver known to Hydra (idempotent)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(group="selection", name="default", node=_defaults_of(Selection))
     if not OmegaConf.has_resolver("abspath"):
         OmegaConf.register_new_resolver("abspath", lambda p: str(Path(p).expanduser().resolve()))
+
+
+def _defaults_of(cls: type) -> dict[str, Any]:
+    """A config group generated from a dataclass's own defaults (`_target_` plus each plain field), so a
+    default is written once, in the class; runtime state (fields with a default_factory) is left out."""
+    plain = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {"_target_": f"{cls.__module__}.{cls.__qualname__}", **plain}
 
 
 def conf_dir() -> Path:

@@ -66,13 +66,15 @@ class RootQuality:
 
 @dataclass
 class Selection:
-    thompson: bool = False
-    predictor_strength: float = 8.0
-    gate_auroc: float | None = None
-    gate_window: int = 4
-    gate_min_samples: int = 8
-    epoch_pools: bool = False
-    max_visits: int | None = None
+    """The `selection.*` config group: `config.register` generates it from these defaults, the only ones."""
+
+    thompson: bool = False  # run the V_root program on posterior samples
+    predictor_strength: float = 8.0  # pseudo-observations the predictor's estimate is worth in them
+    gate_auroc: float | None = None  # predictions steer only while their recent AUROC is >= this
+    gate_window: int = 4  # iterations of evidence for the gate
+    gate_min_samples: int = 8  # roots needed before the gate can open
+    epoch_pools: bool = False  # candidate pools from shuffled passes over all tasks
+    max_visits: int | None = None  # trainings a prompt may have within visit_window iterations
     visit_window: int = 8
     visits: dict[int, list[int]] = field(default_factory=dict)  # task_id -> iterations it trained in
     history: list[tuple[int, list[float], list[float]]] = field(default_factory=list)  # (it, p(1-p), mixed)

@@ -36,7 +36,6 @@ from trace_lightning.engines.base import SamplingParams
 from trace_lightning.module import TraceModule
 from trace_lightning.predictor import PredictorFit
 from trace_lightning.run_record import close_dead_run, run_in_store, write_record
-from trace_lightning.selection import Selection
 from trace_lightning.warmstart import policy_path
 
 config.register()
@@ -77,7 +76,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         max_tokens=cfg.budget.max_tokens,
         estimator=cfg.advantage.estimator,
         cold_start=BetaPrior(**OmegaConf.to_container(cfg.cold_start)),  # type: ignore[arg-type]
-        selection=Selection(**OmegaConf.to_container(cfg.selection)),  # type: ignore[arg-type]
+        selection=instantiate(cfg.selection),
         predictor_fit=PredictorFit(p.refit_steps, p.replay_window, p.refit_batch, p.lr, cfg.seed)
         if p.refit_steps > 0
         else None,
