@@ -34,10 +34,14 @@ import torch
 from peft import LoraConfig
 from transformers.utils import logging as hf_logging
 
+from trace_lightning.allocation import Budget
 from trace_lightning.batching import RolloutBatch
+from trace_lightning.data import DataSettings, RolloutDataModule
+from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
-from trace_lightning.models import build_tiny_model
+from trace_lightning.models import build_policy, build_tiny_model
 from trace_lightning.module import TraceModule
+from trace_lightning.predictor import PredictorSettings
 
 PHASES = ("generation", "env", "predictor", "allocation", "old_logprobs", "training", "sync")
 
@@ -229,8 +233,36 @@ def lora_config(rank: int, targets: tuple[str, ...]) -> LoraConfig:
     return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), lora_dropout=0.0)
 
 
-def tiny_module(out_dir: str, lr: float, seed: int = 0) -> TraceModule:
+def bench_module(
+    path: str, optimizer: Any, sampling: SamplingParams, adapter: Any = None, width: int = 16
+) -> TraceModule:
+    """The module the benchmarks train: the policy at `path` and the joint-loss head (coef 1, read at the
+    prefix's last state), scoring at `sampling`'s temperature."""
+    head = PredictorSettings(width=width, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+    return TraceModule(build_policy(path, adapter), optimizer, sampling=sampling, predictor=head)
+
+
+def bench_data(
+    env: Any,
+    allocator: Any,
+    engine: Any,
+    sampling: SamplingParams,
+    leaves: int,
+    max_tokens: int | None = None,
+    estimator: str = "tree_grpo",
+    **settings: Any,
+) -> RolloutDataModule:
+    """A RolloutDataModule; `settings` are DataSettings fields (micro-batches by count unless given)."""
+    settings = {"micro_batch_tokens": None, **settings}
+    return RolloutDataModule(
+        env, allocator, engine, sampling, Budget(leaves, max_tokens), DataSettings(**settings), estimator
+    )
+
+
+def tiny_module(
+    out_dir: str, lr: float, seed: int = 0, sampling: SamplingParams = SamplingParams(12, 1.0)
+) -> TraceModule:
     """A 2-layer random Qwen3 (hidden 64) with LoRA: the model the quick modes and the sweep use."""
     path = build_tiny_model(out_dir, seed=seed)
     optimizer = functools.partial(torch.optim.AdamW, lr=lr)
-    return TraceModule(path, optimizer, adapter=lora_config(4, ("q_proj", "v_proj")), predictor_width=16)
+    return bench_module(path, optimizer, sampling, lora_config(4, ("q_proj", "v_proj")))

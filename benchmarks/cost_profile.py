@@ -34,6 +34,7 @@ from common import (
     TimedAllocator,
     TimedEngineFactory,
     TimedEnv,
+    bench_module,
     instrument_module,
     lora_config,
     peak_rss_gib,
@@ -42,7 +43,8 @@ from common import (
 )
 
 from trace_lightning import allocation as alloc
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.allocation import Budget
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.module import TraceModule
@@ -85,11 +87,14 @@ def run_point(
         allocator=TimedAllocator(alloc.trace(point.expansion, max_per_prompt=4), clock),  # type: ignore[arg-type]
         engine=engines,
         sampling=sampling,
-        leaves=point.leaves,
-        pool_size=point.pool,
-        micro_batch_size=4,
-        max_turns=point.turns,
-        max_episode_tokens=args.max_episode_tokens if point.model == "tiny" else 768,
+        budget=Budget(point.leaves),
+        settings=DataSettings(
+            pool_size=point.pool,
+            micro_batch_size=4,
+            micro_batch_tokens=None,
+            max_turns=point.turns,
+            max_episode_tokens=args.max_episode_tokens if point.model == "tiny" else 768,
+        ),
         seed=args.seed,
     )
     optimizer = module.configure_optimizers()
@@ -146,7 +151,7 @@ def tiny_sweep(args: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
     sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
     rows = []
     for k, point in enumerate(sweep_points(args.quick, args.pool)):
-        module = tiny_module(f"{tmp}/tiny{k}", lr=1e-3, seed=args.seed)
+        module = tiny_module(f"{tmp}/tiny{k}", lr=1e-3, seed=args.seed, sampling=sampling)
         env = ChainEnv(n_tasks=max(256, point.pool), turns=point.turns, seed=args.seed)
         rows.append(run_point(point, module, env, sampling, args))
         print_row(rows[-1])
@@ -161,9 +166,9 @@ def smollm2_point(args: argparse.Namespace) -> dict[str, Any]:
 
     lora = lora_config(16, ("q_proj", "k_proj", "v_proj", "o_proj"))
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-5)
-    module = TraceModule(prepare_smollm2(), optimizer, adapter=lora, predictor_width=64)
-    env = SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer")
     sampling = SamplingParams(max_new_tokens=48, temperature=0.8, top_p=1.0)
+    module = bench_module(prepare_smollm2(), optimizer, sampling, adapter=lora, width=64)
+    env = SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer")
     point = Point("real", "smollm2", args.smollm2_leaves, 2, 3, args.smollm2_pool)
     row = run_point(point, module, env, sampling, args)
     print_row(row)

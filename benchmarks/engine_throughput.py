@@ -34,10 +34,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import PhaseClock, bench_module, train_iteration
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.engines.vllm import VLLMEngine
@@ -56,7 +57,12 @@ def make_module(args: argparse.Namespace) -> TraceModule:
         path = prepare_smollm2()
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-5)
-    return TraceModule(path, optimizer, adapter=lora, predictor_width=64, temperature=args.temperature)
+    return bench_module(path, optimizer, sampling_of(args), adapter=lora, width=64)
+
+
+def sampling_of(args: argparse.Namespace) -> SamplingParams:
+    """The turns of the DataModule runs (the throughput rounds use --max-new-tokens, no stop string)."""
+    return SamplingParams(max_new_tokens=48, temperature=args.temperature)
 
 
 def make_env(args: argparse.Namespace):  # search_qa, or chain in --quick mode
@@ -110,12 +116,11 @@ def sync_share(args, module, env, lora_sync: str) -> dict[str, float | list[floa
         env=env,
         allocator=alloc.trace(expansion=2),
         engine=engine,
-        sampling=SamplingParams(max_new_tokens=48, temperature=args.temperature),
-        leaves=12,
-        pool_size=12,
-        micro_batch_size=4,
-        max_turns=3,
-        max_episode_tokens=768,
+        sampling=sampling_of(args),
+        budget=alloc.Budget(12),
+        settings=DataSettings(
+            pool_size=12, micro_batch_size=4, micro_batch_tokens=None, max_turns=3, max_episode_tokens=768
+        ),
         cold_start=alloc.BetaPrior(warmup=1),
         seed=0,
     )
@@ -124,12 +129,7 @@ def sync_share(args, module, env, lora_sync: str) -> dict[str, float | list[floa
     for _ in range(args.iterations):
         start = time.perf_counter()
         batches = data.build_iteration(module)  # syncs first when the policy changed
-        for batch in batches:
-            optimizer.zero_grad(set_to_none=True)
-            loss = module.training_step(batch, 0)
-            if loss is not None:
-                loss.backward()
-                optimizer.step()
+        train_iteration(module, optimizer, batches, PhaseClock(), engine=None)  # the Trainer's step
         total.append(time.perf_counter() - start)
         sync.append(data.report.sync_seconds)
         mismatch.append(data.report.logprob_mismatch)
@@ -166,7 +166,7 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.perf_counter()
     module, env = make_module(args).to(args.device), make_env(args)
-    runner = ReActRunner(HFEngine(module.policy, module.tokenizer), module.tokenizer, env, SamplingParams())
+    runner = ReActRunner(HFEngine(module.policy, module.tokenizer), module.tokenizer, env, sampling_of(args))
     tasks = list(runner.tasks.values())[: args.prompts]
     prompts = [runner.prompt_ids(t) for t in tasks]
     vllm_args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}

@@ -58,15 +58,15 @@ from trace_lightning import allocation as alloc
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.batching import collate, leaf_sequences, node_advantages
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.decisive import TEACHER_SHIFT_ACCURACY, DecisiveEnv, teacher_pick
 from trace_lightning.iteration import Iteration, build_trees
-from trace_lightning.models import build_tiny_model
+from trace_lightning.models import build_policy, build_tiny_model
 from trace_lightning.module import TraceModule
-from trace_lightning.predictor import PredictorFit
-from trace_lightning.runner import ReActRunner
+from trace_lightning.predictor import PredictorSettings
+from trace_lightning.runner import EpisodeLimits, ReActRunner
 from trace_lightning.selection import Selection
 from trace_lightning.tree import SUCCESS, tree_stats
 
@@ -156,9 +156,8 @@ def warm_start(module: TraceModule, env: DecisiveEnv, args: argparse.Namespace, 
     """`sft_steps` supervised steps on teacher episodes (loss on the policy's own tokens only)."""
     rng = np.random.default_rng(seed)
     teacher = TeacherEngine(module.tokenizer, env, rng)
-    runner = ReActRunner(
-        teacher, module.tokenizer, env, SamplingParams(MAX_NEW_TOKENS), args.turns, MAX_EPISODE_TOKENS
-    )
+    limits = EpisodeLimits(args.turns, MAX_EPISODE_TOKENS)
+    runner = ReActRunner(teacher, module.tokenizer, env, SamplingParams(MAX_NEW_TOKENS, 1.0), limits)
     demos = play_all(runner, args.demos, rng).trees
     seqs = leaf_sequences(demos, node_advantages(demos, "grpo"))
     opt = torch.optim.AdamW(module.policy.parameters(), lr=args.sft_lr)
@@ -183,7 +182,9 @@ def evaluate(module: TraceModule, env: DecisiveEnv, args: argparse.Namespace, se
     caller's RNG state is restored. Also the per-task success, for the difficulty spread."""
     engine = HFEngine(module.policy, module.tokenizer, max_batch_size=256)
     sampling = SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature)
-    runner = ReActRunner(engine, module.tokenizer, env, sampling, args.turns, MAX_EPISODE_TOKENS)
+    runner = ReActRunner(
+        engine, module.tokenizer, env, sampling, EpisodeLimits(args.turns, MAX_EPISODE_TOKENS)
+    )
     state = torch.get_rng_state()
     torch.manual_seed(1_000_000 + seed)
     trees = play_all(runner, args.eval_samples, np.random.default_rng(seed)).trees
@@ -285,31 +286,37 @@ def train_run(
 ) -> dict[str, Any]:
     train_env, heldout_env = envs
     torch.manual_seed(seed)
-    module = TraceModule(
-        model_dir,
-        functools.partial(torch.optim.AdamW, lr=args.lr),
-        predictor_width=64,
-        predictor_lr=args.predictor_lr,
-        predictor_coef=0.0,
-        predictor_standardize=True,
-        predictor_pooling=args.pooling,
-        temperature=args.temperature,
+    sampling = SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature)
+    head = PredictorSettings(
+        width=64,
+        lr=args.predictor_lr,
+        coef=0.0,
+        standardize=True,
+        pooling=args.pooling,
+        refit_steps=args.refit_steps,
+        replay_window=args.replay_window,
+        refit_batch=256,
     )
+    optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
+    module = TraceModule(build_policy(model_dir), optimizer, sampling=sampling, predictor=head)
     module.policy.load_state_dict(warm)
     data = RolloutDataModule(
         env=train_env,
         allocator=method.allocator,
         engine=functools.partial(HFEngine, max_batch_size=128),
-        sampling=SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature),
-        leaves=method.leaves,
-        pool_size=args.pool,
-        micro_batch_size=args.micro_batch,
-        max_turns=args.turns,
-        max_episode_tokens=MAX_EPISODE_TOKENS,
+        sampling=sampling,
+        budget=Budget(method.leaves),
+        settings=DataSettings(
+            pool_size=args.pool,
+            micro_batch_size=args.micro_batch,
+            micro_batch_tokens=None,
+            max_turns=args.turns,
+            max_episode_tokens=MAX_EPISODE_TOKENS,
+        ),
         estimator=args.estimator,
         cold_start=BetaPrior(warmup=1, decay=args.decay),
         selection=Selection(**method.selection),
-        predictor_fit=PredictorFit(args.refit_steps, args.replay_window, 256, args.predictor_lr, seed),
+        predictor_fit=head.refit(seed),
         seed=seed,
     )
     recorder = Recorder(name, heldout_env, args, seed, method.leaves)
@@ -352,6 +359,13 @@ def warm_start_path(args: argparse.Namespace) -> Path:
     return args.cache / f"warm_{hashlib.sha256(spec.encode()).hexdigest()[:16]}.pt"
 
 
+def untrained_module(model_dir: str, args: argparse.Namespace) -> TraceModule:
+    """The module the warm start trains and evaluations sample with (its head is never read)."""
+    head = PredictorSettings(width=64, coef=1.0, pooling="last", standardize=False)
+    optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
+    return TraceModule(build_policy(model_dir), optimizer, predictor=head)
+
+
 def shared_warm_start(args: argparse.Namespace) -> dict[str, Any]:
     """The supervised warm start every seed and method starts from, computed once (and cached)."""
     path = warm_start_path(args)
@@ -361,7 +375,7 @@ def shared_warm_start(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as model_dir:
         build_tiny_model(model_dir, hidden_size=args.hidden, layers=args.layers, seed=args.task_seed)
         torch.manual_seed(args.task_seed)
-        module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
+        module = untrained_module(model_dir, args)
         info = warm_start(module, testbed(args)[0], args, args.task_seed)
         state = {
             "weights": module.policy.state_dict(),
@@ -382,7 +396,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     warm = shared_warm_start(args)
     with tempfile.TemporaryDirectory() as model_dir:
         build_tiny_model(model_dir, hidden_size=args.hidden, layers=args.layers, seed=args.task_seed)
-        module = TraceModule(model_dir, functools.partial(torch.optim.AdamW, lr=args.lr), predictor_width=64)
+        module = untrained_module(model_dir, args)
         module.policy.load_state_dict(warm["weights"])
         start = evaluate(module, envs[1], args, seed)  # this seed's evaluation seed, used for every method
         # The difficulty spread needs more episodes per task than an evaluation point has.

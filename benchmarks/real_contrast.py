@@ -27,11 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import bench_module
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
+from trace_lightning.allocation import Budget
 from trace_lightning.batching import RolloutBatch
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.search_qa import SearchQAEnv
@@ -51,14 +53,21 @@ def make_data(args, allocator: alloc.TreeAllocator, env: SearchQAEnv, engine=Non
         env=env,
         allocator=allocator,
         engine=engine or functools.partial(HFEngine, max_batch_size=args.gen_batch),
-        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0),
-        leaves=args.leaves,
-        pool_size=args.pool,
-        micro_batch_size=4,
-        max_turns=args.max_turns,
-        max_episode_tokens=args.max_episode_tokens,
+        sampling=sampling_of(args),
+        budget=Budget(args.leaves),
+        settings=DataSettings(
+            pool_size=args.pool,
+            micro_batch_size=4,
+            micro_batch_tokens=None,
+            max_turns=args.max_turns,
+            max_episode_tokens=args.max_episode_tokens,
+        ),
         seed=args.seed,
     )
+
+
+def sampling_of(args) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0)
 
 
 def fit_head(module: TraceModule, batches: list[RolloutBatch], steps: int) -> float:
@@ -141,15 +150,16 @@ def main() -> None:
     lora = LoraConfig(
         r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0
     )
-    module = TraceModule(
-        prepare_smollm2(), functools.partial(torch.optim.AdamW, lr=1e-5), adapter=lora, predictor_width=64
-    )
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-5)
+    module = bench_module(prepare_smollm2(), optimizer, sampling_of(args), adapter=lora, width=64)
     # SmolLM2-135M rarely writes action tags: a reply without one is its final answer, scored by whether
     # it contains the gold answer (EM on a sentence would always be 0). See README "real model".
     env = SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer")
     print(f"model + env ready in {time.perf_counter() - t0:.1f} s; warm-up ...", flush=True)
     warm = make_data(args, alloc.uniform(4), env)
-    warm.rng = np.random.default_rng(args.seed + 10_000)  # warm-up pools differ from the measured ones
+    warm.collector.rng = np.random.default_rng(
+        args.seed + 10_000
+    )  # warm-up pools differ from the measured ones
     batches = [b for _ in range(args.warmup) for b in warm.build_iteration(module)]
     print(f"warm-up head MSE {fit_head(module, batches, args.head_steps * 2):.4f}", flush=True)
     head_state = copy.deepcopy(module.head.state_dict())

@@ -38,21 +38,21 @@ from common import (
     TimedAllocator,
     TimedEngineFactory,
     TimedEnv,
+    bench_module,
     instrument_module,
     lora_config,
     peak_rss_gib,
     tiny_module,
     train_iteration,
 )
-from real_contrast import fit_head, iteration_row, make_data
+from real_contrast import fit_head, iteration_row, make_data, sampling_of
 
 from trace_lightning import allocation as alloc
 from trace_lightning.allocation import Budget, BudgetLedger
-from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch
 from trace_lightning.module import TraceModule
-from trace_lightning.runner import ReActRunner
+from trace_lightning.runner import EpisodeLimits, ReActRunner
 
 QUICK = {  # tiny random model on `chain`: exercises every step in seconds, learns nothing
     "model": "tiny",
@@ -75,13 +75,14 @@ def build(args: argparse.Namespace, tmp: str) -> tuple[TraceModule, Any]:
     if args.model == "tiny":
         from trace_lightning.envs.chain import ChainEnv
 
-        return tiny_module(tmp, lr=args.lr, seed=args.seed), ChainEnv(n_tasks=64, turns=3, seed=args.seed)
+        module = tiny_module(tmp, lr=args.lr, seed=args.seed, sampling=sampling_of(args))
+        return module, ChainEnv(n_tasks=64, turns=3, seed=args.seed)
     from trace_lightning.envs.search_qa import SearchQAEnv
     from trace_lightning.models import prepare_smollm2
 
     lora = lora_config(args.lora_rank, ("q_proj", "k_proj", "v_proj", "o_proj"))
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
-    module = TraceModule(prepare_smollm2(), optimizer, adapter=lora, predictor_width=64)
+    module = bench_module(prepare_smollm2(), optimizer, sampling_of(args), adapter=lora, width=64)
     # As in real_contrast.py: SmolLM2-135M rarely writes tags, so an untagged reply is its answer.
     return module, SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer")
 
@@ -96,9 +97,9 @@ def split_tasks(env: Any, held_out: int, seed: int) -> tuple[set[int], set[int]]
 
 def held_out_success(module: TraceModule, env: Any, args: argparse.Namespace) -> dict[str, Any]:
     """`eval_samples` episodes per held-out task, same sampling seed every time (paired comparison)."""
-    sampling = SamplingParams(args.max_new_tokens, args.temperature, 1.0)
     engine = HFEngine(module.policy, module.tokenizer, max_batch_size=args.gen_batch)
-    runner = ReActRunner(engine, module.tokenizer, env, sampling, args.max_turns, args.max_episode_tokens)
+    limits = EpisodeLimits(args.max_turns, args.max_episode_tokens)
+    runner = ReActRunner(engine, module.tokenizer, env, sampling_of(args), limits)
     trees = [runner.new_tree(t) for t in sorted(runner.tasks)]
     ledger = BudgetLedger(Budget(len(trees) * args.eval_samples))
     ledger.reserve_leaves(len(trees) * args.eval_samples, "bare")
@@ -132,7 +133,9 @@ def warm_up(module: TraceModule, env: Any, args: argparse.Namespace) -> float | 
     if args.warmup == 0:
         return None
     data = make_data(args, alloc.uniform(4), env, functools.partial(HFEngine, max_batch_size=args.gen_batch))
-    data.rng = np.random.default_rng(args.seed + 10_000)  # warm-up pools differ from the measured ones
+    data.collector.rng = np.random.default_rng(
+        args.seed + 10_000
+    )  # warm-up pools differ from the measured ones
     batches = [b for _ in range(args.warmup) for b in data.build_iteration(module)]
     return fit_head(module, batches, args.head_steps)
 

@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 import transformers
-from common import lora_config, peak_rss_gib
+from common import PhaseClock, bench_module, lora_config, peak_rss_gib, train_iteration
 
 from trace_lightning import allocation as alloc
 from trace_lightning.batching import RolloutBatch, collate, collate_packed, leaf_sequences, node_advantages
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.models import build_tiny_model, prepare_smollm2
@@ -68,25 +68,37 @@ def make_env(quick: bool) -> Any:
     return SearchQAEnv(split="answerable", top_k=3, reward="contains", untagged_reply="answer")
 
 
-def make_module(path: str, lora: bool, temperature: float) -> TraceModule:
+def make_module(path: str, lora: bool, sampling: SamplingParams) -> TraceModule:
     adapter = lora_config(16, ("q_proj", "k_proj", "v_proj", "o_proj")) if lora else None
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-5, weight_decay=0.0)
-    return TraceModule(path, optimizer, adapter=adapter, predictor_width=256, temperature=temperature)
+    return bench_module(path, optimizer, sampling, adapter=adapter, width=256)
 
 
-def make_data(env: Any, allocator: Any, args: argparse.Namespace, **kw: Any) -> RolloutDataModule:
-    settings: dict[str, Any] = {
-        "leaves": 12,
-        "pool_size": 12,
-        "max_turns": 3,
-        "max_episode_tokens": 768,
-        "sampling": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature),
-        "micro_batch_tokens": args.micro_batch_tokens,
-        "cold_start": alloc.BetaPrior(warmup=1),
-        "seed": args.seed,
-    }
-    engine = functools.partial(HFEngine, max_batch_size=16)
-    return RolloutDataModule(env=env, allocator=allocator, **({"engine": engine} | settings | kw))
+def sampling_of(args: argparse.Namespace, max_new_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens or args.max_new_tokens, temperature=args.temperature)
+
+
+def make_data(
+    env: Any,
+    allocator: Any,
+    args: argparse.Namespace,
+    engine: Any = None,
+    leaves: int = 12,
+    sampling: SamplingParams | None = None,
+    **settings: Any,
+) -> RolloutDataModule:
+    """`settings`: DataSettings fields that differ from this benchmark's (pool 12, 3 turns, 768 tokens)."""
+    fields = {"pool_size": 12, "max_turns": 3, "max_episode_tokens": 768, **settings}
+    return RolloutDataModule(
+        env,
+        allocator,
+        engine or functools.partial(HFEngine, max_batch_size=16),
+        sampling or sampling_of(args),
+        alloc.Budget(leaves),
+        DataSettings(micro_batch_tokens=args.micro_batch_tokens, **fields),
+        cold_start=alloc.BetaPrior(warmup=1),
+        seed=args.seed,
+    )
 
 
 def layouts(trees: list[RolloutTree], pad: int, args: argparse.Namespace) -> dict[str, list[RolloutBatch]]:
@@ -190,7 +202,7 @@ def sample_trees(
     data = make_data(env, allocator, args)
     start = time.perf_counter()
     data.build_iteration(module)
-    return data.local_trees, time.perf_counter() - start
+    return data.report.local_trees, time.perf_counter() - start
 
 
 # ------------------------------------------------------------------ the peer comparison
@@ -216,34 +228,30 @@ def our_uniform_iterations(
 ) -> tuple[list[float], list[dict[str, Any]]]:
     """Seconds per uniform iteration (sampling, engine sync, old log-probs, one optimizer step per
     micro-batch) with the named engine."""
-    module = make_module(path, lora=False, temperature=args.temperature)
+    sampling = sampling_of(args, max_new_tokens=24)
+    module = make_module(path, lora=False, sampling=sampling)
     data = make_data(
         env,
         alloc.uniform(group_size=4),
         args,
         engine=engine_factory(engine),
         leaves=8,
+        sampling=sampling,
         pool_size=2,
         max_turns=1,
-        sampling=SamplingParams(max_new_tokens=24, temperature=args.temperature),
     )
     optimizer = module.configure_optimizers()
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     seconds, prompts, phases = [], [], []
     for _ in range(args.trl_steps):
         start = time.perf_counter()
         batches = data.build_iteration(module)
         report = data.report
         phases.append({"sync": report.sync_seconds, "sampling": report.sample_seconds})
-        for b in batches:
-            optimizer.zero_grad(set_to_none=True)
-            module.training_step(b, 0).backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
+        train_iteration(module, optimizer, batches, PhaseClock(), engine=None)  # the Trainer's step
         seconds.append(time.perf_counter() - start)
         phases[-1]["rest"] = seconds[-1] - phases[-1]["sync"] - phases[-1]["sampling"]  # scoring, training
-        runner = data._runner
-        for tree in data.local_trees:
+        runner = data.collector.runner
+        for tree in report.local_trees:
             task = runner.tasks[tree.task_id]
             messages = [
                 {"role": "system", "content": env.system_prompt},
@@ -258,8 +266,7 @@ def our_uniform_iterations(
             f"{len(batches)} optimizer step(s)",
             flush=True,
         )
-    if hasattr(data._runner.engine, "close"):
-        data._runner.engine.close()
+    data.collector.close()
     print(f"  ours ({engine}) phases: {json.dumps(phases)}", flush=True)
     return seconds, prompts
 
@@ -368,7 +375,7 @@ def main() -> None:
         )
         write(args.out, result)
         return
-    module = make_module(path, lora=not args.quick, temperature=args.temperature)
+    module = make_module(path, lora=not args.quick, sampling=sampling_of(args))
     for name, allocator in (
         ("trace", alloc.trace(expansion=2, min_group=2, max_per_prompt=16)),
         ("uniform", alloc.uniform(group_size=4)),

@@ -23,8 +23,8 @@ from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.search_qa import SearchQAEnv
 from trace_lightning.iteration import Branch
-from trace_lightning.models import load_policy, prepare_smollm2
-from trace_lightning.runner import ReActRunner
+from trace_lightning.models import build_policy, prepare_smollm2
+from trace_lightning.runner import EpisodeLimits, ReActRunner
 from trace_lightning.warmstart import split_tasks
 
 
@@ -44,9 +44,11 @@ def main() -> None:
         else MathToolEnv(seed=args.seed)
     )
     _, held = split_tasks([t.task_id for t in env.tasks()], args.held_out, args.seed)
-    model, tokenizer = load_policy(prepare_smollm2() if args.model == "smollm2" else args.model)
+    model, tokenizer = build_policy(prepare_smollm2() if args.model == "smollm2" else args.model)
     model.eval()
-    runner = ReActRunner(HFEngine(model, tokenizer), tokenizer, env, SamplingParams(48, 0.8, 1.0), 3, 768)
+    runner = ReActRunner(
+        HFEngine(model, tokenizer), tokenizer, env, SamplingParams(48, 0.8, 1.0), EpisodeLimits(3, 768)
+    )
     trees = [runner.new_tree(t) for t in sorted(held)]
     ledger = BudgetLedger(Budget(len(trees) * args.samples))
     ledger.reserve_leaves(len(trees) * args.samples, "bare")

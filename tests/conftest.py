@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from trace_lightning.models import build_tiny_model, load_policy
+from trace_lightning.models import build_policy, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -23,4 +23,4 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def tiny_policy(tiny_model_dir: str):
     """(model, tokenizer), loaded per test (~20 ms) so a test may train or edit it freely."""
-    return load_policy(tiny_model_dir)
+    return build_policy(tiny_model_dir)

@@ -27,8 +27,8 @@ class Record(L.Callback):
                 "root_counts": report.result.root_counts.tolist(),
                 "leaves_used": report.result.ledger.leaves_used,
                 "trees": sorted(t.task_id for t in report.result.trees),
-                "local_trees": sorted(t.task_id for t in trainer.datamodule.local_trees),
-                "local_leaves": sum(len(t.leaves()) for t in trainer.datamodule.local_trees),
+                "local_trees": sorted(t.task_id for t in trainer.datamodule.report.local_trees),
+                "local_leaves": sum(len(t.leaves()) for t in trainer.datamodule.report.local_trees),
                 "batches": len(trainer.train_dataloader),
                 "logprob_mismatch": report.logprob_mismatch,
             }

@@ -8,6 +8,14 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
+
+from trace_lightning.allocation import Budget
+from trace_lightning.data import DataSettings, RolloutDataModule
+from trace_lightning.engines.base import SamplingParams
+from trace_lightning.models import build_policy
+from trace_lightning.module import TraceModule
+from trace_lightning.predictor import PredictorSettings
 
 DDP_WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -66,3 +74,50 @@ def _jail_problem() -> str | None:
     except JailUnavailableError as err:
         return f"bubblewrap cannot build its jail here: {err}"
     return None
+
+
+# The head as the joint loss trains it (coef > 0 reads the prefix's last state): what most module tests check.
+JOINT_HEAD = PredictorSettings(width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+TEST_SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
+
+
+def trace_module(
+    model_dir, optimizer=None, *, adapter=None, sampling=TEST_SAMPLING, predictor=JOINT_HEAD, **kw
+):
+    """A TraceModule on the policy in `model_dir` (AdamW lr 1e-2 unless `optimizer` is given)."""
+    optimizer = optimizer or functools.partial(torch.optim.AdamW, lr=1e-2)
+    return TraceModule(
+        build_policy(model_dir, adapter), optimizer, sampling=sampling, predictor=predictor, **kw
+    )
+
+
+def rollout_data(
+    env,
+    allocator,
+    engine,
+    sampling=TEST_SAMPLING,
+    leaves=12,
+    max_tokens=None,
+    *,
+    estimator="tree_grpo",
+    cold_start=None,
+    selection=None,
+    predictor_fit=None,
+    seed=0,
+    **settings,
+):
+    """A RolloutDataModule; `settings` are DataSettings fields (micro-batches by count unless given)."""
+    settings = {"micro_batch_tokens": None, **settings}
+    return RolloutDataModule(
+        env,
+        allocator,
+        engine,
+        sampling,
+        Budget(leaves, max_tokens),
+        DataSettings(**settings),
+        estimator,
+        cold_start,
+        selection,
+        predictor_fit,
+        seed,
+    )

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import quiet_trainer, rollout_data, trace_module
 from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning import allocation as alloc
@@ -24,12 +24,11 @@ from trace_lightning.callbacks import (
     tree_to_draw,
     write_artifacts,
 )
-from trace_lightning.data import IterationReport, RolloutDataModule
-from trace_lightning.engines.base import EngineStats, SamplingParams
+from trace_lightning.collector import IterationReport
+from trace_lightning.engines.base import EngineStats
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.iteration import Iteration
-from trace_lightning.module import TraceModule
 from trace_lightning.plots import COLOURS, draw_tree, layout, outcome_colours
 from trace_lightning.runner import RolloutCounters
 from trace_lightning.tree import RolloutTree
@@ -66,7 +65,9 @@ def failed_tree() -> RolloutTree:
     return t
 
 
-def make_report(iteration: int = 0, used_prior: bool = False) -> IterationReport:
+def make_report(
+    iteration: int = 0, used_prior: bool = False, engine_stats: EngineStats | None = None
+) -> IterationReport:
     ledger = BudgetLedger(Budget(leaves=6))
     ledger.reserve_leaves(4, "bare")
     ledger.reserve_leaves(1, "expand")
@@ -74,13 +75,14 @@ def make_report(iteration: int = 0, used_prior: bool = False) -> IterationReport
         ledger.charge_tokens(n, stage, depth)  # the action tokens of the two trees, turn by turn
     counters = RolloutCounters(Counter(answer=2, turn_cap=3), 6, 1, 3, 0, ["RuntimeError: boom"])
     result = Iteration([mixed_tree(), failed_tree()], ledger, np.array([0.6, 0.3, 0.9]), np.array([2, 2, 0]))
-    return IterationReport(iteration, result, counters, used_prior, policy_fingerprint=0.0)
+    return IterationReport(
+        iteration, result, counters, used_prior, policy_fingerprint=0.0, engine_stats=engine_stats
+    )
 
 
 def test_rollout_metrics_on_two_hand_built_trees():
-    m = rollout_metrics(
-        make_report(), EngineStats(generated_tokens=14, prefill_tokens=40, reused_prefill_tokens=7)
-    )
+    stats = EngineStats(generated_tokens=14, prefill_tokens=40, reused_prefill_tokens=7)
+    m = rollout_metrics(make_report(engine_stats=stats))
     assert m["rollout/prompts"] == 2
     assert m["rollout/effective_ratio"] == 0.5  # tree 1 mixed, tree 2 all failures
     assert m["rollout/success_rate"] == pytest.approx(1 / 5)  # one win among five leaves
@@ -99,7 +101,7 @@ def test_rollout_metrics_on_two_hand_built_trees():
 
 
 def test_budget_metrics_add_up():
-    m = rollout_metrics(make_report(), EngineStats(prefill_tokens=40, reused_prefill_tokens=7))
+    m = rollout_metrics(make_report(engine_stats=EngineStats(prefill_tokens=40, reused_prefill_tokens=7)))
     assert m["budget/leaves"] == m["budget/leaves_bare"] + m["budget/leaves_expand"] == 5
     assert m["budget/leaves"] + m["budget/leaves_unused"] == 6  # the configured budget
     assert m["budget/tokens"] == m["budget/tokens_bare"] + m["budget/tokens_expand"] == 14
@@ -202,17 +204,10 @@ def test_fit_logs_metrics_and_artifacts_to_mlflow(tiny_model_dir, tmp_path, monk
     logger = MLFlowLogger(
         experiment_name="t", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts")
     )
-    module = TraceModule(tiny_model_dir, functools.partial(torch.optim.AdamW, lr=1e-2), predictor_width=16)
-    data = RolloutDataModule(
-        env=ChainEnv(n_tasks=24, turns=3, seed=0),
-        allocator=alloc.trace(expansion=2, max_per_prompt=4),
-        engine=functools.partial(HFEngine, max_batch_size=16),
-        sampling=SamplingParams(max_new_tokens=12, temperature=1.0),
-        leaves=12,
-        pool_size=8,
-        max_turns=3,
-        max_episode_tokens=96,
-    )
+    module = trace_module(tiny_model_dir)
+    engine = functools.partial(HFEngine, max_batch_size=16)
+    env, allocator = ChainEnv(n_tasks=24, turns=3, seed=0), alloc.trace(expansion=2, max_per_prompt=4)
+    data = rollout_data(env, allocator, engine, pool_size=8, max_turns=3, max_episode_tokens=96)
     callbacks = [RolloutStats(), PredictorCalibration(), TreeArtifacts(str(tmp_path / "out"))]
     trainer = quiet_trainer(max_epochs=2, logger=logger, callbacks=callbacks)
     trainer.fit(module, datamodule=data)

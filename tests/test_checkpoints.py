@@ -332,7 +332,7 @@ def test_a_resumed_run_prunes_the_checkpoint_it_started_from_once_superseded(tmp
 def test_checkpoint_and_skip_limits_reach_their_owners(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, tmp_path / "run", "checkpoints.keep_last=5", "module.max_skipped_steps=3")
     module, _, fit = trainer.build(cfg)
-    assert module.hparams["max_skipped_steps"] == 3
+    assert module.settings.max_skipped_steps == 3
     assert fit.strategy.checkpoint_io.keep_last == 5
     with pytest.raises(ValueError, match=r"checkpoints.keep_last=0 must be >= 1"):
         trainer.build(make_cfg(tmp_path, tmp_path / "run", "checkpoints.keep_last=0"))

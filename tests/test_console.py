@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import quiet_trainer
+from helpers import quiet_trainer, trace_module
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from test_callbacks import make_report
 from test_training import make_data
@@ -26,7 +26,6 @@ from trace_lightning.console import (
     summary_text,
 )
 from trace_lightning.engines.vllm import route_logger_to_run_log
-from trace_lightning.module import TraceModule
 
 SYNC_DIST = "It is recommended to use `self.log("
 
@@ -77,7 +76,7 @@ def test_a_long_run_summary_stays_one_screen():
 
 def fit_two_iterations(tiny_model_dir, callbacks, progress_bar=False):
     torch.manual_seed(0)
-    module = TraceModule(tiny_model_dir, torch.optim.AdamW, predictor_width=16, temperature=1.0)
+    module = trace_module(tiny_model_dir, torch.optim.AdamW)
     data = make_data()
     quiet_trainer(max_epochs=2, callbacks=callbacks, enable_progress_bar=progress_bar).fit(
         module, datamodule=data

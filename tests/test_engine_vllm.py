@@ -20,7 +20,7 @@ from test_training import make_data
 
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.vllm import VLLMEngine
-from trace_lightning.models import build_tiny_model, load_policy
+from trace_lightning.models import build_policy, build_tiny_model
 from trace_lightning.module import TraceModule
 
 pytestmark = pytest.mark.vllm
@@ -64,7 +64,7 @@ def perturb(params):
 
 
 def test_generation_round_trip_tokens_logprobs_and_stops(model_dir):
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = build_policy(model_dir)
     engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
     ids = prompt(tokenizer)
     params = SamplingParams(max_new_tokens=32, temperature=0.8, stop=("e",))
@@ -92,7 +92,7 @@ def test_generation_round_trip_tokens_logprobs_and_stops(model_dir):
 
 
 def test_full_weight_sync_in_place(model_dir):
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = build_policy(model_dir)
     engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
     assert max_gap(engine, model, tokenizer) < TIGHT
     perturb(model.parameters())
@@ -103,7 +103,7 @@ def test_full_weight_sync_in_place(model_dir):
 
 @pytest.mark.parametrize("lora_sync", ["adapter", "merged", "auto"])
 def test_lora_sync(model_dir, lora_sync):
-    base, tokenizer = load_policy(model_dir)
+    base, tokenizer = build_policy(model_dir)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     policy = get_peft_model(base, config)
     engine = VLLMEngine(policy, tokenizer, lora_sync=lora_sync, **LLM_ARGS)
@@ -121,7 +121,7 @@ def test_lora_sync(model_dir, lora_sync):
 
 
 def test_branching_reuses_the_prefix_and_a_sync_resets_the_cache(model_dir):
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = build_policy(model_dir)
     engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
     long_prompt = prompt(tokenizer, " ".join(f"{k}=A" for k in range(150)))  # several cache blocks
     assert len(long_prompt) > 256

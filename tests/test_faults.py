@@ -22,18 +22,19 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import quiet_trainer, rollout_data, trace_module
 
 from trace_lightning import allocation as alloc
 from trace_lightning.batching import ESTIMATORS, RolloutBatch
-from trace_lightning.data import RolloutDataModule
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.chain import ChainEnv
-from trace_lightning.losses import clipped_surrogate
-from trace_lightning.module import NonFiniteTrainingError, TraceModule
+from trace_lightning.losses import LossSettings, clipped_surrogate
+from trace_lightning.module import ModuleSettings, NonFiniteTrainingError, TraceModule
 from trace_lightning.runner import (
     TRUNCATION_MARK,
+    EpisodeLimits,
     ReActRunner,
     StepTimeout,
     call_with_timeout,
@@ -121,11 +122,10 @@ class ConstantEnv(ChainEnv):
 # --------------------------------------------------------------------------- helpers
 
 
-def make_module(model_dir: str, **kw: Any) -> TraceModule:
+def make_module(model_dir: str, max_skipped_steps: int | None = 8) -> TraceModule:
     # weight_decay=0 as in conf/optimizer/adamw.yaml: with decay, AdamW moves weights even on zero grads
-    return TraceModule(
-        model_dir, functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), predictor_width=16, **kw
-    )
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
+    return trace_module(model_dir, optimizer, sampling=SAMPLING, settings=ModuleSettings(max_skipped_steps))
 
 
 def build(
@@ -137,23 +137,10 @@ def build(
     estimator: str = "tree_grpo",
     **runner_kw: Any,
 ) -> tuple[RolloutDataModule, list[RolloutBatch]]:
-    """One iteration; the runner is built here so the test can set its fault limits."""
-    data = RolloutDataModule(
-        env=env,
-        allocator=allocator or alloc.uniform(4),
-        engine=engine,
-        sampling=SAMPLING,
-        leaves=leaves,
-        pool_size=8,
-        micro_batch_size=4,
-        max_turns=runner_kw.pop("max_turns", MAX_TURNS),
-        max_episode_tokens=runner_kw.pop("max_episode_tokens", MAX_EPISODE_TOKENS),
-        estimator=estimator,
-    )
-    runner_engine = engine(model=module.policy, tokenizer=module.tokenizer)
-    data._runner = ReActRunner(
-        runner_engine, module.tokenizer, env, SAMPLING, data.max_turns, data.max_episode_tokens, **runner_kw
-    )
+    """One iteration with these episode limits (the DataSettings fields)."""
+    limits = {"max_turns": MAX_TURNS, "max_episode_tokens": MAX_EPISODE_TOKENS, **runner_kw}
+    allocator = allocator or alloc.uniform(4)
+    data = rollout_data(env, allocator, engine, SAMPLING, leaves, estimator=estimator, pool_size=8, **limits)
     return data, data.build_iteration(module)
 
 
@@ -170,7 +157,7 @@ def assert_faulted(
     assert faulted, f"no episode ended with {reason}: the test is vacuous"
     assert all(n.reward == 0.0 for n in faulted)
     assert counters.stop_reasons[reason] == len(faulted)
-    assert sum(counters.stop_reasons.values()) == len(leaves) == data.budget.leaves
+    assert sum(counters.stop_reasons.values()) == len(leaves) == data.collector.budget.leaves
     assert batches and all(math.isfinite(module.training_step(b, 0).item()) for b in batches)
     return len(faulted)
 
@@ -269,14 +256,15 @@ def test_failing_reward_function_is_env_error(module: TraceModule):
     assert all(e.startswith("ZeroDivisionError: reward function") for e in data.report.counters.env_errors)
 
 
-def test_runner_validates_its_fault_limits(module: TraceModule):
-    env, engine = ChainEnv(n_tasks=4), ScriptedEngine(None, module.tokenizer)
+def test_episode_limits_are_checked_when_made():
     for bad in (0, -1.0, math.nan, math.inf):
-        with pytest.raises(ValueError, match=r"rollout\.step_timeout"):
-            ReActRunner(engine, module.tokenizer, env, SAMPLING, step_timeout=bad)
-    with pytest.raises(ValueError, match=r"rollout\.max_observation_chars"):
-        ReActRunner(engine, module.tokenizer, env, SAMPLING, max_observation_chars=0)
-    assert ReActRunner(engine, module.tokenizer, env, SAMPLING, step_timeout=None).step_timeout is None
+        with pytest.raises(ValueError, match=r"data\.step_timeout"):
+            EpisodeLimits(step_timeout=bad)
+    with pytest.raises(ValueError, match=r"data\.max_observation_chars"):
+        EpisodeLimits(max_observation_chars=0)
+    with pytest.raises(ValueError, match=r"data\.max_turns"):
+        DataSettings(max_turns=0)
+    assert EpisodeLimits(step_timeout=None).step_timeout is None
 
 
 def test_call_with_timeout_returns_raises_or_abandons(release: threading.Event):
@@ -296,9 +284,9 @@ def test_generation_that_never_stops_hits_length_cap(module: TraceModule):
     env = LenientEnv(n_tasks=24, turns=3, seed=0)  # short replies, so episodes take several turns
     data, batches = build(module, env, JunkEngine, max_turns=50)
     n = assert_faulted(data, batches, module, "length_cap")
-    assert n == data.budget.leaves  # every episode, whatever the turn count allows
+    assert n == data.collector.budget.leaves  # every episode, whatever the turn count allows
     assert data.report.counters.turns > n  # several turns each, every one a full max_new_tokens of junk
-    assert max(data._runner.engine.caps) == SAMPLING.max_new_tokens
+    assert max(data.collector.runner.engine.caps) == SAMPLING.max_new_tokens
     for tree in data.report.result.trees:
         for leaf in tree.leaves():  # each one stopped once it had used its token allowance
             path = [tree.nodes[i] for i in tree.path(leaf)]
@@ -348,17 +336,17 @@ def fit(module: TraceModule, data: RolloutDataModule, probe: Probe) -> L.Trainer
 def chain_data(
     leaves: int = 12, env: ChainEnv | None = None, estimator: str = "tree_grpo"
 ) -> RolloutDataModule:
-    return RolloutDataModule(
-        env=env or ChainEnv(n_tasks=24, turns=3, seed=0),
-        allocator=alloc.uniform(4),
-        engine=ScriptedEngine,
-        sampling=SAMPLING,
-        leaves=leaves,
+    env = env or ChainEnv(n_tasks=24, turns=3, seed=0)
+    return rollout_data(
+        env,
+        alloc.uniform(4),
+        ScriptedEngine,
+        SAMPLING,
+        leaves,
+        estimator=estimator,
         pool_size=8,
-        micro_batch_size=4,
         max_turns=MAX_TURNS,
         max_episode_tokens=MAX_EPISODE_TOKENS,
-        estimator=estimator,
     )
 
 
@@ -446,7 +434,7 @@ def assert_zero_policy_gradient(module: TraceModule, batch: RolloutBatch) -> Non
     assert batch.loss_mask.any()  # there are tokens to train, so a zero gradient is not vacuous
     module.zero_grad(set_to_none=True)
     logp, _ = module._forward(module.policy, batch.input_ids, batch.attention_mask)
-    pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask)
+    pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossSettings())
     pg.loss.backward()
     assert pg.loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in module.policy.parameters())

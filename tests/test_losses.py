@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trace_lightning.losses import (
+    LossSettings,
     aggregate,
     aggregate_reference,
     clipped_surrogate,
@@ -112,7 +113,7 @@ ADV = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
 @pytest.mark.parametrize(("dual_clip", "loss", "clip_frac"), [(None, 0.625, 0.5), (3.0, 0.375, 0.75)])
 def test_clipped_surrogate_hand_example(dual_clip: float | None, loss: float, clip_frac: float) -> None:
     logp = RATIOS.log().requires_grad_()
-    out = clipped_surrogate(logp, torch.zeros(1, 4), ADV, torch.ones(1, 4), dual_clip=dual_clip)
+    out = clipped_surrogate(logp, torch.zeros(1, 4), ADV, torch.ones(1, 4), LossSettings(0.2, 0.2, dual_clip))
     assert out.loss.item() == pytest.approx(loss)
     assert out.clip_frac.item() == pytest.approx(clip_frac)
     assert out.ratio_mean.item() == pytest.approx((1.5 + 0.5 + 1.1 + 4.0) / 4)
@@ -128,14 +129,16 @@ def test_clipped_surrogate_hand_example(dual_clip: float | None, loss: float, cl
 def test_clip_higher_widens_the_upper_bound() -> None:
     # DAPO clip-higher: with clip_high 0.28, A = +1 at ratio 1.25 is inside the trust region.
     logp = torch.tensor([[math.log(1.25)]])
-    out = clipped_surrogate(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_high=0.28)
+    out = clipped_surrogate(
+        logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), LossSettings(clip_high=0.28)
+    )
     assert out.loss.item() == pytest.approx(-1.25)
     assert out.clip_frac.item() == 0.0
 
 
 def test_clipped_surrogate_all_masked_is_zero() -> None:
     logp = torch.randn(2, 3, requires_grad=True)
-    out = clipped_surrogate(logp, torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3))
+    out = clipped_surrogate(logp, torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), LossSettings())
     assert [out.loss.item(), out.clip_frac.item(), out.ratio_mean.item(), out.approx_kl.item()] == [0.0] * 4
     out.loss.backward()
     assert torch.equal(logp.grad, torch.zeros(2, 3))
@@ -145,7 +148,9 @@ def test_clipped_surrogate_grad_finite_with_padding_garbage() -> None:
     # Padding carries -inf log-probs and NaN advantages; the real token must still get a clean gradient.
     logp = torch.tensor([[-0.1, -math.inf]], requires_grad=True)
     old = torch.tensor([[-0.1, -math.inf]])
-    out = clipped_surrogate(logp, old, torch.tensor([[2.0, math.nan]]), torch.tensor([[1, 0]]))
+    out = clipped_surrogate(
+        logp, old, torch.tensor([[2.0, math.nan]]), torch.tensor([[1, 0]]), LossSettings()
+    )
     out.loss.backward()
     assert out.loss.item() == pytest.approx(-2.0)
     torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, 0.0]]))
@@ -159,12 +164,13 @@ def test_clipped_surrogate_grad_finite_with_padding_garbage() -> None:
         ({"clip_high": -0.1}, "loss.clip_high"),
         ({"dual_clip": 1.0}, "loss.dual_clip"),
         ({"aggregation": "seq-sum"}, "loss.aggregation"),
+        ({"kl_coef": -0.1}, "loss.kl_coef"),
+        ({"kl_kind": "k2"}, "loss.kl_kind"),
     ],
 )
-def test_clipped_surrogate_bad_args(kwargs: dict, key: str) -> None:
-    x = torch.zeros(1, 2)
+def test_loss_settings_reject_bad_values_when_made(kwargs: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        clipped_surrogate(x, x, x, torch.ones(1, 2), **kwargs)
+        LossSettings(**kwargs)
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
@@ -176,7 +182,7 @@ def test_clipped_surrogate_matches_reference(dual_clip: float | None, aggregatio
         logp = old + torch.randn(4, 6, generator=gen, dtype=torch.float64) * 0.8  # ratios ~ e^{+-0.8}
         adv = torch.randn(4, 6, generator=gen, dtype=torch.float64)
         mask = torch.rand(4, 6, generator=gen) < 0.7
-        args = (logp, old, adv, mask, 0.2, 0.28, dual_clip, aggregation)
+        args = (logp, old, adv, mask, LossSettings(0.2, 0.28, dual_clip, aggregation))
         out, ref = clipped_surrogate(*args), clipped_surrogate_reference(*args)
         for field in ("loss", "clip_frac", "ratio_mean", "approx_kl"):
             torch.testing.assert_close(getattr(out, field), getattr(ref, field), msg=field)

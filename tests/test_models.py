@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trace_lightning import models
-from trace_lightning.models import TAGS, build_tiny_model, build_tiny_tokenizer, load_policy, prepare_smollm2
+from trace_lightning.models import TAGS, build_policy, build_tiny_model, build_tiny_tokenizer, prepare_smollm2
 
 
 def test_tiny_model_builds_fast_and_reloads_offline(tmp_path, tiny_model_dir):
@@ -65,27 +65,27 @@ def test_chat_template_renders_chatml():
     assert prompt.endswith("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_load_policy(tiny_model_dir):
-    model, tok = load_policy(tiny_model_dir)
+def test_build_policy(tiny_model_dir):
+    model, tok = build_policy(tiny_model_dir)
     assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>"
     assert model.dtype == torch.float32
 
 
-def test_load_policy_sets_missing_pad_token(tmp_path):
+def test_build_policy_sets_missing_pad_token(tmp_path):
     path = build_tiny_model(tmp_path / "m")
     tok = AutoTokenizer.from_pretrained(path)
     tok.pad_token = None
     tok.padding_side = "right"
     tok.save_pretrained(path)
-    _, loaded = load_policy(path)
+    _, loaded = build_policy(path)
     assert loaded.pad_token == loaded.eos_token and loaded.padding_side == "left"
 
 
-def test_load_policy_errors_name_the_setting(tmp_path, tiny_model_dir):
+def test_build_policy_errors_name_the_setting(tmp_path, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match=r"model\.path"):
-        load_policy(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match=r"model\.dtype"):
-        load_policy(tiny_model_dir, dtype="float33")
+        build_policy(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"dtype=.float33."):
+        build_policy(tiny_model_dir, dtype="float33")
 
 
 def test_prepare_smollm2_without_package_says_make_data(tmp_path, monkeypatch):

@@ -10,10 +10,13 @@ import logging
 
 import pytest
 import torch
+from helpers import rollout_data, trace_module
 
 from trace_lightning.batching import collate, collate_packed, leaf_sequences, node_advantages
+from trace_lightning.losses import LossSettings
 from trace_lightning.module import TraceModule
 from trace_lightning.packing import budget_groups, pack, packed_tokens
+from trace_lightning.predictor import PredictorSettings
 from trace_lightning.tree import RolloutTree
 
 
@@ -35,9 +38,12 @@ def branching_tree(seed: int, prompt_len: int = 9) -> RolloutTree:
     return t
 
 
+HEAD = PredictorSettings(width=8, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+
+
 @pytest.fixture
 def module(tiny_model_dir: str) -> TraceModule:
-    return TraceModule(tiny_model_dir, functools.partial(torch.optim.SGD, lr=0.1), predictor_width=8)
+    return trace_module(tiny_model_dir, functools.partial(torch.optim.SGD, lr=0.1), predictor=HEAD)
 
 
 def plain_forward(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,12 +160,11 @@ def grads(module: TraceModule, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_same_loss_and_gradients_as_per_leaf_training(tiny_model_dir, aggregation):
-    module = TraceModule(
+    module = trace_module(
         tiny_model_dir,
         functools.partial(torch.optim.SGD, lr=0.1),
-        predictor_width=8,
-        aggregation=aggregation,
-        kl_coef=0.1,  # the reference log-probs are packed too
+        predictor=HEAD,
+        loss=LossSettings(aggregation=aggregation, kl_coef=0.1),  # the reference log-probs are packed too
     )
     trees = [branching_tree(5), branching_tree(6, prompt_len=3)]
     _, unpacked, packed = batches(trees, "tree_segment")
@@ -220,12 +225,10 @@ def test_token_budget_keeps_trees_whole_where_they_fit():
 
 def test_micro_batch_tokens_must_be_positive():
     from trace_lightning import allocation as alloc
-    from trace_lightning.data import RolloutDataModule
-    from trace_lightning.engines.base import SamplingParams
     from trace_lightning.envs.chain import ChainEnv
 
     with pytest.raises(ValueError, match="data.micro_batch_tokens=0"):
-        RolloutDataModule(ChainEnv(n_tasks=8), alloc.uniform(), None, SamplingParams(), micro_batch_tokens=0)
+        rollout_data(ChainEnv(n_tasks=8), alloc.uniform(), None, pool_size=8, micro_batch_tokens=0)
 
 
 def text_tree(tokenizer) -> RolloutTree:
@@ -248,7 +251,7 @@ def text_tree(tokenizer) -> RolloutTree:
 def test_smollm2_packed_logprobs_and_gradients_match_per_leaf():
     from trace_lightning.models import prepare_smollm2
 
-    module = TraceModule(prepare_smollm2(), functools.partial(torch.optim.SGD, lr=0.1), predictor_width=8)
+    module = trace_module(prepare_smollm2(), functools.partial(torch.optim.SGD, lr=0.1), predictor=HEAD)
     trees = [text_tree(module.tokenizer)]
     seqs, unpacked, packed = batches(trees, "tree_segment")
     logp, _ = module._batch_forward(module.policy, packed)

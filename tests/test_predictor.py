@@ -85,7 +85,7 @@ def test_bad_refit_values_name_their_key():
 
 def test_iteration_refits_the_head_before_training_and_reports_quality(tiny_model_dir):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_standardize=True)
+    module = make_module(tiny_model_dir, coef=0.0, standardize=True)
     data = make_data(
         predictor_fit=PredictorFit(steps=5, batch_size=16),
         selection=Selection(gate_auroc=0.6),
@@ -98,9 +98,9 @@ def test_iteration_refits_the_head_before_training_and_reports_quality(tiny_mode
     assert any(moved), "the head must change in the refit, with no policy step"
     report = data.report
     assert np.isfinite(report.refit_loss)
-    assert set(data.predictor_fit.replay) == {t.task_id for t in report.result.trees}
+    assert set(data.collector.predictor_fit.replay) == {t.task_id for t in report.result.trees}
     roots = {t.task_id: t for t in report.result.trees}
-    for task_id, e in data.predictor_fit.replay.items():  # row 0 is the root: bare rollouts only
+    for task_id, e in data.collector.predictor_fit.replay.items():  # row 0 is the root: bare rollouts only
         bare = [
             roots[task_id].nodes[x].reward
             for x in roots[task_id].leaves()
@@ -113,28 +113,28 @@ def test_iteration_refits_the_head_before_training_and_reports_quality(tiny_mode
 
 
 def test_head_is_left_out_of_the_policy_optimizer_when_only_the_refit_trains_it(tiny_model_dir):
-    module = make_module(tiny_model_dir, predictor_coef=0.0)
+    module = make_module(tiny_model_dir, coef=0.0)
     params = {id(p) for g in module.configure_optimizers().param_groups for p in g["params"]}
     assert not any(id(p) in params for p in module.head.parameters())
-    joint = make_module(tiny_model_dir, predictor_coef=1.0)
+    joint = make_module(tiny_model_dir, coef=1.0)
     params = {id(p) for g in joint.configure_optimizers().param_groups for p in g["params"]}
     assert all(id(p) in params for p in joint.head.parameters())
 
 
 def test_posterior_features_reach_the_head(tiny_model_dir):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_posterior_features=True)
+    module = make_module(tiny_model_dir, coef=0.0, posterior_features=True)
     data = make_data(predictor_fit=PredictorFit(steps=2), cold_start=alloc.BetaPrior(warmup=0))
     data.build_iteration(module)
     width = module.head_input_size() + 2
-    assert all(e.features.shape[1] == width for e in data.predictor_fit.replay.values())
+    assert all(e.features.shape[1] == width for e in data.collector.predictor_fit.replay.values())
     with pytest.raises(ValueError, match="predictor.coef"):
-        functools.partial(make_module, tiny_model_dir)(predictor_coef=1.0, predictor_posterior_features=True)
+        functools.partial(make_module, tiny_model_dir)(coef=1.0, posterior_features=True)
 
 
 def test_mean_pooled_features_match_a_plain_forward(tiny_model_dir):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, predictor_coef=0.0, predictor_pooling="last_mean")
+    module = make_module(tiny_model_dir, coef=0.0, pooling="last_mean")
     data = make_data(cold_start=alloc.BetaPrior(warmup=1))
     data.build_iteration(module)
     trees = data.report.result.trees

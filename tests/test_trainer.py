@@ -77,8 +77,9 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
 def test_every_experiment_builds_with_a_valid_budget(tmp_path, experiment):
     cfg = make_cfg(tmp_path, f"experiment={experiment}", "model=tiny", "logger=none", "env=chain")
     _, data, fit = trainer.build(cfg)
-    assert isinstance(data.allocator, TreeAllocator)
-    assert data.allocator.n_roots(data.budget) * (1 + data.allocator.expansion) == cfg.budget.leaves
+    allocator = data.collector.allocator
+    assert isinstance(allocator, TreeAllocator)
+    assert allocator.n_roots(data.budget) * (1 + allocator.expansion) == cfg.budget.leaves
     assert fit.max_epochs == cfg.trainer.max_epochs
 
 

@@ -1,5 +1,6 @@
 """The LLM path end to end on a tiny random Qwen3: runner, module, DataModule, Lightning."""
 
+import dataclasses
 import functools
 
 import lightning as L
@@ -10,24 +11,43 @@ from helpers import quiet_trainer
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
-from trace_lightning.data import RolloutDataModule, fingerprint
+from trace_lightning.allocation import Budget
+from trace_lightning.collector import fingerprint
+from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
-from trace_lightning.losses import predictor_mse
+from trace_lightning.losses import LossSettings, predictor_mse
+from trace_lightning.models import build_policy
 from trace_lightning.module import TraceModule
+from trace_lightning.predictor import PredictorSettings
 
 SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
 
 
-def make_module(model_dir, adapter=None, **kw):
+# The joint-loss head (coef > 0 reads the last state), which these tests train with the policy.
+HEAD = PredictorSettings(width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+DATA = DataSettings(
+    pool_size=8, micro_batch_size=4, micro_batch_tokens=None, max_turns=3, max_episode_tokens=96
+)
+
+
+def make_module(
+    model_dir, adapter=None, kl_coef=0.0, companion=None, temperature=SAMPLING.temperature, **head
+):
+    """`head`: PredictorSettings fields that differ from HEAD."""
     lora = (
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         if adapter
         else None
     )
     return TraceModule(
-        model_dir, functools.partial(torch.optim.AdamW, lr=1e-2), adapter=lora, predictor_width=16, **kw
+        build_policy(model_dir, lora),
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        sampling=SamplingParams(SAMPLING.max_new_tokens, temperature),
+        loss=LossSettings(kl_coef=kl_coef),
+        predictor=dataclasses.replace(HEAD, **head),
+        companion=build_policy(companion) if companion is not None else None,
     )
 
 
@@ -37,12 +57,8 @@ def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, sampling=
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
         sampling=sampling,
-        leaves=leaves,
-        max_tokens=max_tokens,
-        pool_size=8,
-        micro_batch_size=4,
-        max_turns=3,
-        max_episode_tokens=96,
+        budget=Budget(leaves, max_tokens),
+        settings=DATA,
         **kw,
     )
 
@@ -82,7 +98,7 @@ def test_full_iterations_through_lightning_are_on_policy(tiny_model_dir):
     assert rec.generated_with[0] != rec.end_fingerprints[0]  # and training did change them
     assert rec.first_ratio_exact == [True, True, True]
     report = data.report
-    assert report.iteration == 2 and data.iteration == 3
+    assert report.iteration == 2 and data.collector.iteration == 3
     assert sum(len(t.leaves()) for t in report.result.trees) == report.result.ledger.leaves_used == 12
 
 
@@ -165,10 +181,10 @@ def test_branching_reenters_exact_prefix_tokens_and_env_state(tiny_model_dir):
         real_step(task, state, text),
     )[1]
     data = make_data(engine=functools.partial(SpyEngine, max_batch_size=16))
-    data.env = env
+    data.collector.env = env
     data.build_iteration(module)
     trees = data.report.result.trees
-    spy = data._runner.engine
+    spy = data.collector.runner.engine
     expand_roots = [
         (t, n) for t in trees for n in t.nodes if n.stage == "expand" and t.nodes[n.parent].stage == "bare"
     ]
@@ -253,7 +269,7 @@ def test_datamodule_state_dict_replays_the_next_iteration_exactly(tiny_model_dir
     resumed.load_state_dict(state)
     resumed.build_iteration(module)
     got = [(t.task_id, t.token_ids(leaf)) for t in resumed.report.result.trees for leaf in t.leaves()]
-    assert got == expected and resumed.iteration == first.iteration == 2
+    assert got == expected and resumed.collector.iteration == first.collector.iteration == 2
 
 
 def test_companion_predictor_is_frozen_and_feeds_the_head(tiny_model_dir, tmp_path):
@@ -261,7 +277,7 @@ def test_companion_predictor_is_frozen_and_feeds_the_head(tiny_model_dir, tmp_pa
 
     companion_dir = build_tiny_model(tmp_path / "companion", hidden_size=32, seed=7)
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, predictor_backbone=companion_dir)
+    module = make_module(tiny_model_dir, companion=companion_dir)
     assert module.head.net[1].in_features == 32  # sized for the companion, not the policy (64)
     frozen = {n: p.detach().clone() for n, p in module.companion.named_parameters()}
     head = {n: p.detach().clone() for n, p in module.head.named_parameters()}
@@ -281,7 +297,7 @@ def test_scoring_with_a_shared_prompt_prefix_matches_plain_forward_passes(tiny_m
         data.build_iteration(module)
         trees = data.report.result.trees
         nodes = [[0, *(n.id for n in t.nodes[1:] if n.reward is None)] for t in trees]
-        runner = data._runner
+        runner = data.collector.runner
         pool = [runner.new_tree(t) for t in sorted(runner.tasks)[:12]]
         assert module_lib._common_prefix_len([t.prompt_ids for t in pool]) >= module_lib.MIN_SHARED_PREFIX
         shared = module.predict_success(trees, nodes) + module.predict_success(pool, [[0]] * len(pool))

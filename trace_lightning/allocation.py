@@ -36,8 +36,8 @@ class BudgetError(ValueError):
 class Budget:
     """What one iteration may spend: leaves (trajectories) and, optionally, generated tokens."""
 
-    leaves: int
-    max_tokens: int | None = None
+    leaves: int = 12  # trajectories per iteration, the same for every allocator
+    max_tokens: int | None = None  # optional cap on generated tokens per iteration
 
     def __post_init__(self) -> None:
         if self.leaves < 1:

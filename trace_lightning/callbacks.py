@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
 from trace_lightning.allocation import BudgetLedger
-from trace_lightning.data import IterationReport
+from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.plots import draw_tree
 from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
@@ -33,12 +33,12 @@ def _mean(values: Any) -> float:
 # --------------------------------------------------------------------------- rollout statistics
 
 
-def rollout_metrics(report: IterationReport, engine_stats: EngineStats | None = None) -> dict[str, float]:
+def rollout_metrics(report: IterationReport) -> dict[str, float]:
     """Everything `RolloutStats` logs for one iteration, except the running sums."""
     stats = [tree_stats(t, SUCCESS) for t in report.result.trees]
     return (
         _rollout_part(report, stats)
-        | _budget_part(report.result.ledger, engine_stats)
+        | _budget_part(report.result.ledger, report.engine_stats)
         | _tree_part(stats)
         | _engine_part(report)
     )
@@ -136,16 +136,6 @@ def _latest_report(trainer: Trainer) -> IterationReport | None:
     return getattr(_datamodule(trainer), "report", None)
 
 
-def take_engine_stats(datamodule: Any) -> EngineStats | None:
-    """The runner engine's counters since the last call; resets them so each iteration counts alone."""
-    engine = getattr(getattr(datamodule, "_runner", None), "engine", None)
-    if engine is None:
-        return None
-    stats: EngineStats = engine.stats
-    engine.stats = EngineStats()
-    return stats
-
-
 class RolloutStats(Callback):
     """Logs `rollout/*`, `budget/*` and `tree/*` once per iteration, plus running sums of leaves and
     tokens (x-axes for success against budget spent) that survive a resume through `state_dict`."""
@@ -153,8 +143,8 @@ class RolloutStats(Callback):
     def __init__(self) -> None:
         self.leaves_cum, self.tokens_cum, self.last_iteration = 0, 0, -1
 
-    def metrics(self, report: IterationReport, engine_stats: EngineStats | None = None) -> dict[str, float]:
-        out = rollout_metrics(report, engine_stats)
+    def metrics(self, report: IterationReport) -> dict[str, float]:
+        out = rollout_metrics(report)
         if report.iteration != self.last_iteration:  # an unreloaded dataloader must not count twice
             self.leaves_cum += report.result.ledger.leaves_used
             self.tokens_cum += report.result.ledger.tokens_used
@@ -166,7 +156,7 @@ class RolloutStats(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (report := _latest_report(trainer)) is not None:
-            metrics = self.metrics(report, take_engine_stats(_datamodule(trainer)))
+            metrics = self.metrics(report)
             # The report is gathered over processes, so every process logs the same keys and values;
             # sync_dist only makes that explicit to Lightning (which warns otherwise).
             pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)

@@ -19,10 +19,8 @@ from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
 
-from trace_lightning.data import IterationReport
-from trace_lightning.tree import tree_stats
-
-SUCCESS = 0.5  # reward at or above which a leaf counts as a success, as in `tree.backup`
+from trace_lightning.collector import IterationReport
+from trace_lightning.tree import SUCCESS, tree_stats
 
 
 def quiet_known_warnings(world_size: int) -> None:

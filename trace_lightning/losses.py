@@ -19,9 +19,10 @@ import torch
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 KLKind = Literal["k1", "k3"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
+KL_KINDS: tuple[str, ...] = ("k1", "k3")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Reduce per-token values to a scalar loss.
 
     token-mean: sum(values * mask) / sum(mask); every trained token weighs the same (DAPO).
@@ -46,7 +47,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> to
     return (seq_mean * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
-def _kl_from_log_ratio(log_ratio: torch.Tensor, kind: KLKind) -> torch.Tensor:
+def _kl_from_log_ratio(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
     """KL estimate per token from log_ratio = ref_logp - logp.  # [B, T]"""
     if kind == "k1":
         return -log_ratio
@@ -55,7 +56,7 @@ def _kl_from_log_ratio(log_ratio: torch.Tensor, kind: KLKind) -> torch.Tensor:
     raise ValueError(f"loss.kl_kind={kind!r} is unknown; use 'k1' or 'k3'")
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman 2020, "Approximating KL").
 
     k1 = logp - ref_logp: unbiased but high variance, can be negative.
@@ -73,8 +74,8 @@ def kl_loss(
     logp: torch.Tensor,
     ref_logp: torch.Tensor,
     mask: torch.Tensor,
-    kind: KLKind = "k3",
-    aggregation: Aggregation = "token-mean",
+    kind: str,
+    aggregation: str,
 ) -> torch.Tensor:
     """Aggregated KL penalty against the reference policy over the trained tokens."""
     keep = mask.bool()  # [B, T]
@@ -98,13 +99,42 @@ class SurrogateOutput:
     approx_kl: torch.Tensor
 
 
-def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"loss.clip_low={clip_low}: must be in [0, 1) so that 1 - clip_low stays positive")
-    if clip_high < 0.0:
-        raise ValueError(f"loss.clip_high={clip_high}: must be >= 0")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"loss.dual_clip={dual_clip}: must be > 1 (3.0 is usual), or null to disable")
+@dataclass(frozen=True)
+class LossSettings:
+    """The `loss` config group: the policy loss's settings, checked when they are made (at start-up).
+
+    clip_low / clip_high: the ratio's trust region [1 - clip_low, 1 + clip_high] (clip-higher, DAPO).
+    dual_clip: cap on the loss of negative-advantage tokens (> 1), or None.
+    aggregation: how token losses become one scalar (see `aggregate`).
+    kl_coef / kl_kind: weight and estimator of the KL penalty to the reference policy (0: none).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(
+                f"loss.clip_low={self.clip_low}: must be in [0, 1) so that 1 - clip_low stays positive"
+            )
+        if self.clip_high < 0.0:
+            raise ValueError(f"loss.clip_high={self.clip_high}: must be >= 0")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(
+                f"loss.dual_clip={self.dual_clip}: must be > 1 (3.0 is usual), or null to disable"
+            )
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"loss.aggregation={self.aggregation!r} is unknown; use one of {list(AGGREGATIONS)}"
+            )
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty)")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"loss.kl_kind={self.kl_kind!r} is unknown; use one of {list(KL_KINDS)}")
 
 
 def clipped_surrogate(
@@ -112,10 +142,7 @@ def clipped_surrogate(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    aggregation: Aggregation = "token-mean",
+    settings: LossSettings,
 ) -> SurrogateOutput:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric bounds and optional dual clip.
 
@@ -134,7 +161,7 @@ def clipped_surrogate(
     Returns:
         SurrogateOutput with the aggregated loss and detached token-mean metrics.
     """
-    _check_clip(clip_low, clip_high, dual_clip)
+    clip_low, clip_high, dual_clip = settings.clip_low, settings.clip_high, settings.dual_clip
     keep = mask.bool()  # [B, T]
     zeros = torch.zeros_like(logp)  # [B, T]
     log_ratio = torch.where(keep, logp - old_logp, zeros)  # [B, T]; masked tokens get ratio 1
@@ -153,7 +180,7 @@ def clipped_surrogate(
         clip_frac = aggregate(was_clipped.to(logp.dtype), mask, "token-mean")
         ratio_mean = aggregate(ratio, mask, "token-mean")
         approx_kl = aggregate(-log_ratio, mask, "token-mean")
-    return SurrogateOutput(aggregate(per_token, mask, aggregation), clip_frac, ratio_mean, approx_kl)
+    return SurrogateOutput(aggregate(per_token, mask, settings.aggregation), clip_frac, ratio_mean, approx_kl)
 
 
 def predictor_mse(
@@ -183,7 +210,7 @@ def predictor_mse(
 # ---------------------------------------------------------------------------------------------------
 
 
-def aggregate_reference(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+def aggregate_reference(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     v, m = values.tolist(), mask.tolist()
     if mode == "token-mean":
         total = sum(x for row, mrow in zip(v, m, strict=True) for x, k in zip(row, mrow, strict=True) if k)
@@ -202,11 +229,9 @@ def clipped_surrogate_reference(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    aggregation: Aggregation = "token-mean",
+    settings: LossSettings,
 ) -> SurrogateOutput:
+    clip_low, clip_high, dual_clip = settings.clip_low, settings.clip_high, settings.dual_clip
     B, T = logp.shape
     losses = [[0.0] * T for _ in range(B)]
     flags: list[float] = []
@@ -229,5 +254,5 @@ def clipped_surrogate_reference(
     def mean(xs: list[float]) -> torch.Tensor:
         return torch.tensor(sum(xs) / len(xs) if xs else 0.0, dtype=logp.dtype)
 
-    loss = aggregate_reference(torch.tensor(losses, dtype=logp.dtype), mask, aggregation)
+    loss = aggregate_reference(torch.tensor(losses, dtype=logp.dtype), mask, settings.aggregation)
     return SurrogateOutput(loss, mean(flags), mean(ratios), mean(kls))

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config
@@ -193,8 +193,19 @@ def _clear_quantized_flags(model: Any) -> None:
         del model.config.quantization_config
 
 
-def load_policy(path: str | os.PathLike[str], dtype: str = "float32") -> tuple[Any, PreTrainedTokenizerFast]:
-    """(model, tokenizer) from a local HF folder; the tokenizer pads on the left, as generation needs."""
+class Policy(NamedTuple):
+    """A causal LM (peft-wrapped when it carries adapters) and its tokenizer."""
+
+    model: Any
+    tokenizer: PreTrainedTokenizerFast
+
+
+def build_policy(path: str | os.PathLike[str], adapter: Any | None = None, dtype: str = "float32") -> Policy:
+    """The one loader of policies (trainer, warm start, benchmarks and tests): a local HF folder, with
+    `adapter` (a peft config such as `peft.LoraConfig`, or None for full weights) attached.
+
+    The tokenizer pads on the left, as generation needs, and gets the EOS token as pad when it has none.
+    """
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a folder: build one with models.build_tiny_model "
@@ -202,13 +213,22 @@ def load_policy(path: str | os.PathLike[str], dtype: str = "float32") -> tuple[A
         )
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"model.dtype={dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        raise ValueError(
+            f"build_policy(dtype={dtype!r}): not a torch dtype; use float32, bfloat16 or float16"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    except OSError as err:
+        raise FileNotFoundError(f"model.path={str(path)!r} is not a loadable model folder: {err}") from err
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    if adapter is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, adapter)
+    return Policy(model, tokenizer)
 
 
 def local_model(path: str) -> str:

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 from trace_lightning.batching import RolloutBatch, right_pad
+from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import CACHE_KWARG
-from trace_lightning.losses import Aggregation, KLKind, clipped_surrogate, kl_loss, predictor_mse
+from trace_lightning.losses import LossSettings, clipped_surrogate, kl_loss, predictor_mse
+from trace_lightning.models import Policy
 from trace_lightning.packing import trained_logprobs, tree_mask_works
-from trace_lightning.predictor import SuccessHead, gather_positions
+from trace_lightning.predictor import PredictorSettings, SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -31,83 +34,63 @@ class NonFiniteTrainingError(RuntimeError):
     """Training stopped: too many optimizer steps in a row were non-finite (see module.max_skipped_steps)."""
 
 
+@dataclass(frozen=True)
+class ModuleSettings:
+    """The `module` config group: the training step's guard against broken runs."""
+
+    max_skipped_steps: int | None = 8  # stop after this many NaN/inf-skipped steps in a row (None: never)
+
+    def __post_init__(self) -> None:
+        if self.max_skipped_steps is not None and self.max_skipped_steps < 1:
+            raise ValueError(
+                f"module.max_skipped_steps={self.max_skipped_steps} must be >= 1 (or null: never stop)"
+            )
+
+
 class TraceModule(L.LightningModule):
+    """The policy and the predictor head, built outside (`models.build_policy`, `PredictorSettings.
+    build_head`) and handed in, so the module only trains: `TraceModule(policy, optimizer, ...)`.
+
+    `sampling` is the one SamplingParams object the rollouts are drawn with: the module scores tokens at
+    its temperature, so the importance ratio compares against the policy that sampled them. `companion`
+    is an optional frozen LM the head reads instead of the policy (it must share the tokenizer).
+    """
+
     def __init__(
         self,
-        model_path: str,
+        policy: Policy,
         optimizer: OptimizerFactory,
         scheduler: Callable[..., Any] | None = None,
-        adapter: Any | None = None,
-        predictor_width: int = 256,
-        predictor_lr: float = 1e-3,
-        predictor_coef: float = 1.0,
-        predictor_weighting: str = "leaves",
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        dual_clip: float | None = None,
-        aggregation: Aggregation = "token-mean",
-        kl_coef: float = 0.0,
-        kl_kind: KLKind = "k3",
-        score_batch_size: int = 16,
-        predictor_backbone: str | None = None,
-        predictor_standardize: bool = False,
-        predictor_posterior_features: bool = False,
-        predictor_pooling: str = "last",
-        temperature: float = 1.0,
-        max_skipped_steps: int | None = None,
+        *,
+        sampling: SamplingParams = SamplingParams(),
+        loss: LossSettings = LossSettings(),
+        predictor: PredictorSettings = PredictorSettings(),
+        settings: ModuleSettings = ModuleSettings(),
+        head: SuccessHead | None = None,
+        companion: Policy | None = None,
     ) -> None:
         super().__init__()
-        if max_skipped_steps is not None and max_skipped_steps < 1:
-            raise ValueError(
-                f"module.max_skipped_steps={max_skipped_steps} must be >= 1 (or null: never stop)"
-            )
-        if temperature <= 0:
-            raise ValueError(f"sampling.temperature={temperature} must be > 0")
-        if predictor_weighting not in ("leaves", "uniform"):
-            raise ValueError(f"module.predictor_weighting={predictor_weighting!r}: use 'leaves' or 'uniform'")
-        if kl_coef < 0:
-            raise ValueError(f"module.kl_coef={kl_coef} must be >= 0")
-        if predictor_pooling not in ("last", "last_mean"):
-            raise ValueError(f"predictor.pooling={predictor_pooling!r}: use 'last' or 'last_mean'")
-        if predictor_pooling != "last" and predictor_coef > 0:
-            raise ValueError(
-                "predictor.pooling=last_mean is read only by the refit; set predictor.coef=0 (train the "
-                "head by predictor.refit_steps) or predictor.pooling=last"
-            )
-        if predictor_posterior_features and predictor_coef > 0:
-            raise ValueError(
-                "predictor.posterior_features=true feeds prompt statistics only the refit knows; set "
-                "predictor.coef=0 (train the head by predictor.refit_steps) or posterior_features=false"
-            )
-        self.save_hyperparameters(ignore=["optimizer", "scheduler", "adapter"])
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.policy = self._load_policy(model_path, adapter)
+        self.sampling, self.loss_settings, self.predictor_settings = sampling, loss, predictor
+        self.settings = settings
+        self.policy, self.tokenizer = policy.model.train(), policy.tokenizer
+        # from_pretrained returns eval mode; Lightning keeps submodules' modes, and we train (dropout 0)
         self.reference = None
-        if kl_coef > 0 and adapter is None:  # full fine-tuning needs its own frozen reference
+        if loss.kl_coef > 0 and not _has_adapters(self.policy):  # full weights need a frozen reference
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        # Optional companion LM for the predictor (frozen; only the head trains). It must share the
-        # policy's tokenizer, since it reads the very same token ids.
-        self.companion = None if predictor_backbone is None else self._load_companion(predictor_backbone)
+        self.companion = None if companion is None else self._companion(companion)
         backbone = self.companion if self.companion is not None else self.policy
-        self.head = SuccessHead(
-            backbone.config.hidden_size * (2 if predictor_pooling == "last_mean" else 1),
-            predictor_width,
-            extra=POSTERIOR_FEATURES if predictor_posterior_features else 0,
-            standardize=predictor_standardize,
-        )
+        self.head = head if head is not None else predictor.build_head(backbone.config.hidden_size)
         self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
         self._tree_mask_ok: dict[int, bool] = {}  # id(model) -> it takes packed batches (packing.py)
 
-    def _load_companion(self, path: str) -> torch.nn.Module:
-        companion = self._load_policy(path, None).requires_grad_(False).eval()
-        if AutoTokenizer.from_pretrained(path).get_vocab() != self.tokenizer.get_vocab():
+    def _companion(self, companion: Policy) -> torch.nn.Module:
+        if companion.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(
-                f"predictor.backbone={path!r} has another tokenizer than the policy; use one that shares it"
+                f"predictor.backbone={self.predictor_settings.backbone!r} has another tokenizer than the "
+                "policy; use one that shares it"
             )
-        return companion
+        return companion.model.requires_grad_(False).eval()
 
     def _predictor_hidden(
         self, ids: torch.Tensor, mask: torch.Tensor, policy_hidden: torch.Tensor | None
@@ -162,20 +145,6 @@ class TraceModule(L.LightningModule):
             )
         return out.hidden_states[-1], shared, first.hidden_states[-1][0].sum(0)
 
-    @staticmethod
-    def _load_policy(path: str, adapter: Any | None) -> torch.nn.Module:
-        """`adapter` is a peft config (e.g. `peft.LoraConfig`) or None for full fine-tuning."""
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        except OSError as err:
-            raise FileNotFoundError(f"model.path={path!r} is not a loadable model folder: {err}") from err
-        model.train()  # from_pretrained returns eval mode; Lightning trains in train mode (dropout stays 0)
-        if adapter is None:
-            return model
-        from peft import get_peft_model
-
-        return get_peft_model(model, adapter)
-
     # ------------------------------------------------------------------ forward passes
 
     def _batch_forward(
@@ -193,14 +162,14 @@ class TraceModule(L.LightningModule):
         """
         if batch.packed is None or not self._takes_tree_mask(model):
             return self._forward(model, batch.input_ids, batch.attention_mask)
-        return trained_logprobs(model, batch.packed, batch.loss_mask.bool(), self.hparams["temperature"])
+        return trained_logprobs(model, batch.packed, batch.loss_mask.bool(), self.sampling.temperature)
 
     def _forward(
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The plain forward over right-padded leaf sequences [B, T]: log-probs [B, T], hidden [B, T, H]."""
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        logits = out.logits[:, :-1].float() / self.hparams["temperature"]
+        logits = out.logits[:, :-1].float() / self.sampling.temperature
         logp = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
         tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         return torch.nn.functional.pad(tok, (1, 0)), out.hidden_states[-1]
@@ -250,7 +219,7 @@ class TraceModule(L.LightningModule):
                 reads.setdefault((ti, int(owner[n]) if owner[n] >= 0 else n), []).append(n)
         jobs = [(ti, src, prefixes) for (ti, src), prefixes in reads.items()]
         found: dict[tuple[int, int], torch.Tensor] = {}
-        bs = self.hparams["score_batch_size"]
+        bs = SCORE_BATCH_SIZE
         for start in range(0, len(jobs), bs):
             chunk = jobs[start : start + bs]
             seqs = [trees[ti].token_ids(src) for ti, src, _ in chunk]
@@ -266,7 +235,7 @@ class TraceModule(L.LightningModule):
                 .float()
                 .cpu()
             )  # [K, H]
-            if self.hparams["predictor_pooling"] == "last_mean":
+            if self.predictor_settings.pooling == "last_mean":
                 sums = hidden.cumsum(1) + before  # [B, T - c, H]: sum of the states at positions <= t
                 at = torch.tensor(cols, device=self.device)
                 mean = sums[torch.tensor(rows, device=self.device), at - offset] / (at[:, None] + 1)
@@ -282,9 +251,7 @@ class TraceModule(L.LightningModule):
     def head_input_size(self) -> int:
         """Width of `prefix_features` (before the refit's optional prompt statistics)."""
         backbone = self.companion if self.companion is not None else self.policy
-        return int(backbone.config.hidden_size) * (
-            2 if self.hparams["predictor_pooling"] == "last_mean" else 1
-        )
+        return self.predictor_settings.input_size(int(backbone.config.hidden_size))
 
     # ------------------------------------------------------------------ training
 
@@ -293,18 +260,9 @@ class TraceModule(L.LightningModule):
             batch is None
         ):  # the already-trained epoch of a resumed run (see RolloutDataModule.train_dataloader)
             return None
-        hp = self.hparams
+        hp, pred_cfg = self.loss_settings, self.predictor_settings
         logp, hidden = self._batch_forward(self.policy, batch)
-        pg = clipped_surrogate(
-            logp,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.loss_mask,
-            hp["clip_low"],
-            hp["clip_high"],
-            hp["dual_clip"],
-            hp["aggregation"],
-        )
+        pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, hp)
         loss = pg.loss
         metrics = {
             "train/policy_loss": pg.loss.detach(),
@@ -312,18 +270,16 @@ class TraceModule(L.LightningModule):
             "train/ratio_mean": pg.ratio_mean,
             "train/approx_kl": pg.approx_kl,
         }
-        if hp["kl_coef"] > 0:
-            kl = kl_loss(
-                logp, self._reference_logprobs(batch), batch.loss_mask, hp["kl_kind"], hp["aggregation"]
-            )
-            loss = loss + hp["kl_coef"] * kl
+        if hp.kl_coef > 0:
+            kl = kl_loss(logp, self._reference_logprobs(batch), batch.loss_mask, hp.kl_kind, hp.aggregation)
+            loss = loss + hp.kl_coef * kl
             metrics["train/kl"] = kl.detach()
-        if batch.pred_targets.numel() and hp["predictor_coef"] > 0:
+        if batch.pred_targets.numel() and pred_cfg.coef > 0:
             hidden = self._predictor_hidden(batch.input_ids, batch.attention_mask, hidden)
             pred = torch.sigmoid(self.head(gather_positions(hidden, batch.pred_rows, batch.pred_cols)))
-            weights = batch.pred_weights if hp["predictor_weighting"] == "leaves" else None
+            weights = batch.pred_weights if pred_cfg.weighting == "leaves" else None
             pred_loss = predictor_mse(pred, batch.pred_targets, weights)
-            loss = loss + hp["predictor_coef"] * pred_loss
+            loss = loss + pred_cfg.coef * pred_loss
             metrics["train/predictor_mse"] = pred_loss.detach()
         else:  # DDP reduces every parameter's gradient each step: the head's must exist, at zero
             loss = loss + 0.0 * sum(p.sum() for p in self.head.parameters())
@@ -355,7 +311,7 @@ class TraceModule(L.LightningModule):
         """One skipped step is a bad batch; many in a row mean training has broken, so stop and say why."""
         self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
         self._loss_skipped = False
-        limit = self.hparams["max_skipped_steps"]
+        limit = self.settings.max_skipped_steps
         if limit is not None and self._skipped_in_a_row >= limit:
             raise NonFiniteTrainingError(
                 f"{self._skipped_in_a_row} optimizer steps in a row were skipped for NaN/inf loss or "
@@ -385,8 +341,8 @@ class TraceModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         groups: list[dict[str, Any]] = [{"params": policy_params}]
-        if self.hparams["predictor_coef"] > 0:  # else the head trains only in its own refit (data.py)
-            groups.append({"params": list(self.head.parameters()), "lr": self.hparams["predictor_lr"]})
+        if self.predictor_settings.coef > 0:  # else the head trains only in its own refit (data.py)
+            groups.append({"params": list(self.head.parameters()), "lr": self.predictor_settings.lr})
         optimizer = self.optimizer_factory(groups)
         if self.scheduler_factory is None:
             return optimizer
@@ -396,8 +352,13 @@ class TraceModule(L.LightningModule):
         }
 
 
-POSTERIOR_FEATURES = 2  # the prompt's decayed posterior mean and log(1 + decayed visits), see data.py
+SCORE_BATCH_SIZE = 16  # rollouts per predictor scoring forward pass
 MIN_SHARED_PREFIX = 16  # below this, one plain forward pass is cheaper than the cache bookkeeping
+
+
+def _has_adapters(model: torch.nn.Module) -> bool:
+    """A peft-wrapped model: its reference policy is the base with the adapters disabled."""
+    return hasattr(model, "disable_adapter")
 
 
 def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:

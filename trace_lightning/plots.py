@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from trace_lightning.tree import RolloutTree, backup
+from trace_lightning.tree import SUCCESS, RolloutTree, backup
 
 COLOURS = {"success": "#2ca02c", "failure": "#d62728", "mixed": "#ff7f0e", "open": "#9e9e9e"}
 BASE_SIZE, PREDICTED_SIZE = 40.0, 260.0  # marker area: base plus predicted p times this
@@ -36,7 +36,7 @@ def layout(tree: RolloutTree) -> np.ndarray:
     return xy
 
 
-def outcome_colours(tree: RolloutTree, success_threshold: float = 0.5) -> list[str]:
+def outcome_colours(tree: RolloutTree, success_threshold: float = SUCCESS) -> list[str]:
     """Per node: green if every leaf below succeeded, red if all failed, orange if mixed, grey if none."""
     b = backup(tree, success_threshold)
     out = []
@@ -50,7 +50,7 @@ def outcome_colours(tree: RolloutTree, success_threshold: float = 0.5) -> list[s
     return out
 
 
-def draw_tree(tree: RolloutTree, path: str | Path, success_threshold: float = 0.5) -> Path:
+def draw_tree(tree: RolloutTree, path: str | Path, success_threshold: float = SUCCESS) -> Path:
     """Draw `tree` to a PNG at `path`: outcome colours, marker size from the predicted p where the
     predictor scored the node, expansion-stage nodes outlined in blue with dashed edges."""
     xy = layout(tree)

@@ -150,6 +150,40 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"[:MAX_ERROR_CHARS]
 
 
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Where an episode is cut, and how long the environment may take: part of the `data` group.
+
+    max_turns: policy turns per episode. max_episode_tokens: generated + observation tokens per episode.
+    step_timeout: seconds an environment step may take (None: no limit; it then fails as env_timeout).
+    max_observation_chars: longer tool output is cut to this before tokenising.
+    """
+
+    max_turns: int = 3
+    max_episode_tokens: int = 768
+    step_timeout: float | None = 30.0
+    max_observation_chars: int = 4000
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"data.max_turns={self.max_turns} must be >= 1")
+        if self.max_episode_tokens < 1:
+            raise ValueError(f"data.max_episode_tokens={self.max_episode_tokens} must be >= 1")
+        timeout = self.step_timeout
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(
+                f"data.step_timeout={timeout} must be a positive number of seconds, or null for no limit"
+            )
+        if self.max_observation_chars < 1:
+            raise ValueError(f"data.max_observation_chars={self.max_observation_chars} must be >= 1")
+
+    def limits(self) -> EpisodeLimits:
+        """Only the episode limits (a subclass such as `data.DataSettings` carries more)."""
+        return EpisodeLimits(
+            self.max_turns, self.max_episode_tokens, self.step_timeout, self.max_observation_chars
+        )
+
+
 @dataclass
 class _Episode:
     tree: RolloutTree
@@ -169,20 +203,12 @@ class ReActRunner:
         tokenizer: Any,
         env: Environment,
         sampling: SamplingParams,
-        max_turns: int = 4,
-        max_episode_tokens: int = 512,
-        step_timeout: float | None = 30.0,
-        max_observation_chars: int = 4000,
+        limits: EpisodeLimits = EpisodeLimits(),
     ) -> None:
-        if max_turns < 1:
-            raise ValueError(f"rollout.max_turns={max_turns} must be >= 1")
-        if max_episode_tokens < 1:
-            raise ValueError(f"rollout.max_episode_tokens={max_episode_tokens} must be >= 1")
-        _check_limits(step_timeout, max_observation_chars)
         self.engine, self.tokenizer, self.env = engine, tokenizer, env
         self.sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *env.stop_strings))))
-        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
-        self.step_timeout, self.max_observation_chars = step_timeout, max_observation_chars
+        self.max_turns, self.max_episode_tokens = limits.max_turns, limits.max_episode_tokens
+        self.step_timeout, self.max_observation_chars = limits.step_timeout, limits.max_observation_chars
         self.tasks = {t.task_id: t for t in env.tasks()}
         self.counters = RolloutCounters()
         self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
@@ -296,15 +322,6 @@ class ReActRunner:
         self.counters.stop_reasons[reason] += 1
         if self.on_episode_end is not None:
             self.on_episode_end()
-
-
-def _check_limits(step_timeout: float | None, max_observation_chars: int) -> None:
-    if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > 0):
-        raise ValueError(
-            f"rollout.step_timeout={step_timeout} must be a positive number of seconds, or null for no limit"
-        )
-    if max_observation_chars < 1:
-        raise ValueError(f"rollout.max_observation_chars={max_observation_chars} must be >= 1")
 
 
 def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:

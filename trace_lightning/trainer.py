@@ -9,6 +9,7 @@ python -m trace_lightning.trainer experiment=grpo                  # a paper bas
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,12 +17,13 @@ from typing import Any
 
 import hydra
 import lightning as L
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
-from trace_lightning.allocation import BetaPrior, TreeAllocator
+from trace_lightning.allocation import TreeAllocator
 from trace_lightning.checkpoint_files import Manifest
 from trace_lightning.checkpoint_io import AtomicCheckpointIO
 from trace_lightning.checkpoints import (
@@ -32,9 +34,8 @@ from trace_lightning.checkpoints import (
     validate_checkpoint,
 )
 from trace_lightning.data import RolloutDataModule
-from trace_lightning.engines.base import SamplingParams
+from trace_lightning.models import build_policy
 from trace_lightning.module import TraceModule
-from trace_lightning.predictor import PredictorFit
 from trace_lightning.run_record import close_dead_run, run_in_store, write_record
 from trace_lightning.warmstart import policy_path
 
@@ -42,57 +43,83 @@ config.register()
 
 
 def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
-    """Every component from its config group; nothing below receives a DictConfig."""
+    """Every component from its config group; nothing below receives a DictConfig.
+
+    Everything that can be checked alone is made first (settings, environment, allocator, the data
+    side), so a bad value fails before any model, engine or MLflow run exists."""
     L.seed_everything(cfg.seed, workers=True)
+    check_trainer(cfg.trainer)
+    sampling, predictor = _make(cfg.sampling), _make(cfg.predictor)
+    loss, settings = _make(cfg.loss), _make(cfg.module)
+    allocator: TreeAllocator = _make(cfg.allocator)
+    env = _make(cfg.env)
+    data = RolloutDataModule(
+        env,
+        allocator,
+        _make(cfg.engine),
+        sampling,
+        _make(cfg.budget),
+        _make(cfg.data),
+        cfg.advantage.estimator,
+        _make(cfg.cold_start),
+        _make(cfg.selection),
+        predictor.refit(cfg.seed),
+        cfg.seed,
+    )
     close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
     ckpt_path, ckpt, fingerprint = _resume_point(cfg)
-    allocator: TreeAllocator = instantiate(cfg.allocator)
-    env = instantiate(cfg.env)
-    p, loss = cfg.predictor, cfg.loss
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
     model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
+    policy = build_policy(model_path, _make(cfg.adapter) if cfg.adapter is not None else None)
+    companion = build_policy(predictor.backbone) if predictor.backbone is not None else None
+    backbone = (companion or policy).model
     module = TraceModule(
-        model_path,
-        optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
-        adapter=instantiate(cfg.adapter) if cfg.adapter is not None else None,
-        predictor_width=p.width,
-        predictor_lr=p.lr,
-        predictor_coef=p.coef,
-        predictor_weighting=p.weighting,
-        predictor_backbone=p.backbone,
-        predictor_standardize=p.standardize,
-        predictor_posterior_features=p.posterior_features,
-        predictor_pooling=p.pooling,
-        temperature=cfg.sampling.temperature,
-        max_skipped_steps=cfg.module.max_skipped_steps,
-        **OmegaConf.to_container(loss),  # type: ignore[arg-type]
-    )
-    data = RolloutDataModule(
-        env=env,
-        allocator=allocator,
-        engine=instantiate(cfg.engine),
-        sampling=SamplingParams(**OmegaConf.to_container(cfg.sampling)),  # type: ignore[arg-type]
-        leaves=cfg.budget.leaves,
-        max_tokens=cfg.budget.max_tokens,
-        estimator=cfg.advantage.estimator,
-        cold_start=BetaPrior(**OmegaConf.to_container(cfg.cold_start)),  # type: ignore[arg-type]
-        selection=instantiate(cfg.selection),
-        predictor_fit=PredictorFit(p.refit_steps, p.replay_window, p.refit_batch, p.lr, cfg.seed)
-        if p.refit_steps > 0
-        else None,
-        seed=cfg.seed,
-        **OmegaConf.to_container(cfg.data),  # type: ignore[arg-type]
+        policy,
+        _make(cfg.optimizer),
+        _make(cfg.scheduler) if cfg.scheduler is not None else None,
+        sampling=sampling,
+        loss=loss,
+        predictor=predictor,
+        settings=settings,
+        head=predictor.build_head(backbone.config.hidden_size),
+        companion=companion,
     )
     if ckpt_path is not None and ckpt is not None:
         check_shapes(ckpt_path, ckpt, module.state_dict())
     logger = _logger(cfg, allocator, env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
-    callbacks = [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
-    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
+    callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
     trainer = instantiate(
         cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
     )
     return module, data, trainer
+
+
+def _make(node: Any) -> Any:
+    """`instantiate`, but a component's own error (a bad value it names) surfaces as itself, not
+    wrapped in Hydra's InstantiationException with a traceback of Hydra's internals."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError)):
+            raise cause from None
+        raise
+
+
+def check_trainer(trainer: DictConfig) -> None:
+    """The Trainer settings the rollout loop depends on (checked before anything is built)."""
+    reload = trainer.get("reload_dataloaders_every_n_epochs")
+    if reload != 1:
+        raise ValueError(
+            f"trainer.reload_dataloaders_every_n_epochs={reload}: must be 1, so that every epoch samples "
+            "new trees with the current policy (on-policy training); remove the override"
+        )
+    if trainer.get("use_distributed_sampler", True):
+        raise ValueError(
+            "trainer.use_distributed_sampler=true would split each process's own batches again; set it "
+            "to false (conf/trainer/*.yaml do)"
+        )
 
 
 def _resume_point(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None, dict[str, str]]:
@@ -251,5 +278,14 @@ def main(cfg: DictConfig) -> float | None:
     return metrics.get("rollout/success_rate")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry: a misspelt setting fails here, naming the nearest real ones."""
+    try:
+        config.check_overrides(sys.argv[1:])
+    except config.UnknownSettingError as err:
+        raise SystemExit(f"error: {err}") from None
     main()
+
+
+if __name__ == "__main__":
+    cli()

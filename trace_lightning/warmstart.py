@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from trace_lightning import config
 from trace_lightning.demos import Demonstration, demonstrations
-from trace_lightning.models import load_policy
+from trace_lightning.models import build_policy
 from trace_lightning.runner import observation_ids, prompt_ids
 
 MARKER = "warm_start.json"  # written last into the folder: what was trained, on what
@@ -85,7 +85,7 @@ class WarmStartModule(L.LightningModule):
 
     def __init__(self, model_path: str, adapter: Any | None = None, lr: float = 2e-4) -> None:
         super().__init__()
-        self.policy, self.tokenizer = load_policy(model_path)
+        self.policy, self.tokenizer = build_policy(model_path)
         if adapter is not None:
             from peft import get_peft_model
 

@@ -16,22 +16,25 @@ FinishReason = Literal["stop", "eos", "length"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one turn is sampled. `stop` strings end the turn and are kept in the output."""
+    """How one turn is sampled: the `sampling` config group, one object shared by the engine and the
+    trainer (which scores tokens at the same temperature). `stop` strings end the turn and are kept in
+    the output; the runner adds the environment's own."""
 
-    max_new_tokens: int = 64
-    temperature: float = 1.0
+    max_new_tokens: int = 48
+    temperature: float = 0.8
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))  # a config list becomes a (hashable) tuple
         if self.max_new_tokens < 1:
-            raise ValueError(f"engine.max_new_tokens={self.max_new_tokens} must be >= 1")
+            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(
-                f"engine.temperature={self.temperature} must be > 0 (sampling is required for RL)"
+                f"sampling.temperature={self.temperature} must be > 0 (sampling is required for RL)"
             )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"engine.top_p={self.top_p} must be in (0, 1]")
+            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -238,8 +238,7 @@ class MathToolEnv:
         python_tool: bool = False,
         sandbox: SandboxLimits | None = None,
     ) -> None:
-        if sandbox is not None and not python_tool:
-            raise ValueError("env.sandbox is set but env.python_tool is false: set env.python_tool=true")
+        # `env.sandbox` (the config always has one) only matters with env.python_tool=true
         if sandbox is not None and not isinstance(sandbox, SandboxLimits):
             raise TypeError("env.sandbox needs `_target_: trace_lightning.envs.sandbox.SandboxLimits`")
         self._sandbox = (sandbox or SandboxLimits()) if python_tool else None

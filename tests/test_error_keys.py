@@ -1,0 +1,74 @@
+"""Every config key an error message names is a real key of the composed config.
+
+A message such as "data.pool_size=40 exceeds the 30 tasks" tells the user what to override; a key that
+does not exist (a typo, a renamed group, a key of another component) sends them to a dead end, or to
+Hydra's `+key=` which adds a setting nothing reads. This walks the string parts of every `raise` (and
+every warning) in the package, takes each `a.b=` it names, and resolves it against the union of the
+configs composed with every option of every group.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from trace_lightning import config
+
+PACKAGE = Path(config.__file__).parent
+KEY = re.compile(r"(?<![\w.\-/])([a-z][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)=")
+WARNINGS = {"warn", "rank_zero_warn"}
+
+
+def message_keys() -> dict[str, set[str]]:
+    """key -> the files whose error or warning messages name it."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            is_warning = (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in WARNINGS
+            )
+            if not (isinstance(node, ast.Raise) or is_warning):
+                continue
+            for part in ast.walk(node):
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    for key in KEY.findall(part.value):
+                        found.setdefault(key, set()).add(str(path.relative_to(PACKAGE.parent)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def known_keys() -> set[str]:
+    """Keys of the default config and of every group option (a key may belong to one option only)."""
+    config.register()
+    groups = {
+        p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in config.conf_dir().iterdir() if p.is_dir()
+    }
+    keys: set[str] = set()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
+        keys |= config.setting_keys(compose("train"))
+        for group, options in groups.items():
+            for option in options:
+                keys |= config.setting_keys(compose("train", overrides=[f"{group}={option}"]))
+    GlobalHydra.instance().clear()
+    return keys
+
+
+def test_messages_name_keys_at_all():
+    keys = message_keys()
+    assert {"budget.leaves", "data.pool_size", "loss.clip_low", "sampling.temperature"} <= set(keys)
+
+
+def test_every_key_a_message_names_exists(known_keys):
+    unknown = {key: files for key, files in message_keys().items() if key not in known_keys}
+    assert not unknown, f"messages name keys the config does not have: {unknown}"
+
+
+def test_the_walk_catches_an_unknown_key(known_keys):
+    """The oracle itself can fail: a misspelt key is not among the known ones."""
+    assert "budget.leavs" not in known_keys and "budget.leaves" in known_keys
