@@ -14,14 +14,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import quiet_trainer, run_ddp_worker
+from helpers import quiet_trainer, run_ddp_worker, trace_module
 from peft import LoraConfig, get_peft_model
 from test_training import make_data
 
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.vllm import VLLMEngine
 from trace_lightning.models import build_policy, build_tiny_model
-from trace_lightning.module import TraceModule
 
 pytestmark = pytest.mark.vllm
 
@@ -140,12 +139,7 @@ def test_branching_reuses_the_prefix_and_a_sync_resets_the_cache(model_dir):
 def test_trace_iterations_through_lightning_with_vllm(model_dir):
     """Two TRACE iterations: the second samples after a training epoch, so it needs a real sync."""
     torch.manual_seed(0)
-    module = TraceModule(
-        model_dir,
-        functools.partial(torch.optim.AdamW, lr=1e-2),
-        predictor_width=16,
-        temperature=SAMPLING.temperature,
-    )
+    module = trace_module(model_dir, sampling=SAMPLING)
     data = make_data(engine=functools.partial(VLLMEngine, **LLM_ARGS), sampling=SAMPLING)
     mismatches, syncs = [], []
 
@@ -209,7 +203,7 @@ def test_vllm_logs_to_the_run_log_and_single_process_fits_warn_once_per_cause(mo
     from trace_lightning.console import RunSummary
 
     torch.manual_seed(0)
-    module = TraceModule(model_dir, torch.optim.AdamW, predictor_width=16, temperature=SAMPLING.temperature)
+    module = trace_module(model_dir, torch.optim.AdamW, sampling=SAMPLING)
     data = make_data(engine=functools.partial(VLLMEngine, **LLM_ARGS), sampling=SAMPLING)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -6,10 +6,10 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from helpers import rollout_data, trace_module
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
-from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.tree import tree_stats
@@ -25,16 +25,17 @@ MISSING = [
 def test_one_trace_iteration_of_smollm2_lora_on_search_qa(record_property):
     from trace_lightning.envs.search_qa import SearchQAEnv
     from trace_lightning.models import prepare_smollm2
-    from trace_lightning.module import TraceModule
 
     torch.manual_seed(0)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    module = TraceModule(prepare_smollm2(), functools.partial(torch.optim.AdamW, lr=1e-4), adapter=lora)
-    data = RolloutDataModule(
-        env=SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer"),
-        allocator=alloc.trace(expansion=2, max_per_prompt=4),
-        engine=functools.partial(HFEngine, max_batch_size=12),
-        sampling=SamplingParams(max_new_tokens=40),
+    sampling = SamplingParams(max_new_tokens=40)
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-4)
+    module = trace_module(prepare_smollm2(), optimizer, adapter=lora, sampling=sampling)
+    data = rollout_data(
+        SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer"),
+        alloc.trace(expansion=2, max_per_prompt=4),
+        functools.partial(HFEngine, max_batch_size=12),
+        sampling,
         leaves=12,
         pool_size=12,
         max_turns=3,
