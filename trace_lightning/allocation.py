@@ -125,8 +125,9 @@ def solve_roots(
     (our choice, off by default): the prompt's tree is mixed when any of its leaves differ.
 
     O(P * n_roots * cap) with one vectorised step per prompt. Among optima the one with the most
-    prompts wins (`BREADTH_TIE_BREAK`); remaining ties go to the smaller count for the earlier prompt,
-    so the result is a deterministic function of the input order.
+    prompts wins (`BREADTH_TIE_BREAK`); remaining ties give the later prompt the smaller count (the
+    backward pass decides the last prompt first, taking its smallest tied size), so the result is a
+    deterministic function of the input order. E.g. v = [0.5, 0.5], n_roots = 5 -> [3, 2].
 
     Example: v = [0.5, 0.9, 0.5], n_roots = 4, min_group = 2 -> [2, 0, 2]
     (two groups of 2 at v = 0.5 give 0.5 + 0.5; a group of 4 at v = 0.5 gives only 0.875).
