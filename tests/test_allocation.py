@@ -19,7 +19,8 @@ from trace_lightning.allocation import (
 
 
 def mixed_prob(v, m):
-    """The spec's V_root, written out: P(m Bernoulli(v) rollouts are not all equal); 0 for m < 2."""
+    """V_root as docs/algorithm.md#stage-1-roots states it, written out: P(m Bernoulli(v) rollouts are
+    not all equal); 0 for m < 2."""
     if m < 2:
         return 0.0
     return 1.0 - v**m - (1.0 - v) ** m

@@ -1,5 +1,5 @@
 """Pure rollout allocators: how a fixed leaf budget is spread over prompts (Stage 1) and over the turn
-prefixes of their bare rollouts (Stage 2).  See TRACE_SPEC.md, "Stage 1" and "Stage 2".
+prefixes of their bare rollouts (Stage 2).  See docs/algorithm.md#stage-1-roots and #stage-2-prefixes.
 
 An allocator is a `TreeAllocator`: a root rule plus, optionally, a prefix rule and the continuation
 multiplier N.  With N > 0 the leaf budget L splits into M = L / (1 + N) bare rollouts and, per prompt
@@ -115,17 +115,19 @@ def solve_roots(
     breadth: float = 0.0,
 ) -> np.ndarray:
     """Exact Stage 1: integer m_i in {0} ∪ [min_group, cap] with sum m_i = n_roots maximising
-    sum V_root(v_i, leaves_per_root * m_i), by dynamic programming over the budget (TRACE_SPEC: a
-    plain greedy is not exact because of the first block of `min_group` rollouts).
+    sum V_root(v_i, leaves_per_root * m_i), by dynamic programming over the budget
+    (docs/algorithm.md#stage-1-roots: a plain greedy is not exact because of the first block of
+    `min_group` rollouts).
 
-    `breadth` >= 0 adds that much to the objective for every prompt trained (our choice, 0 = the spec's
+    `breadth` >= 0 adds that much to the objective for every prompt trained (our choice, 0 = the paper's
     objective): a hedge against a predictor whose confident estimates would concentrate the budget on
     a few prompts. `leaves_per_root` = 1 + N counts the continuations each bare rollout brings to its prompt
     (our choice, off by default): the prompt's tree is mixed when any of its leaves differ.
 
     O(P * n_roots * cap) with one vectorised step per prompt. Among optima the one with the most
-    prompts wins (`BREADTH_TIE_BREAK`); remaining ties go to the smaller count for the earlier prompt,
-    so the result is a deterministic function of the input order.
+    prompts wins (`BREADTH_TIE_BREAK`); remaining ties give the later prompt the smaller count (the
+    backward pass decides the last prompt first, taking its smallest tied size), so the result is a
+    deterministic function of the input order. E.g. v = [0.5, 0.5], n_roots = 5 -> [3, 2].
 
     Example: v = [0.5, 0.9, 0.5], n_roots = 4, min_group = 2 -> [2, 0, 2]
     (two groups of 2 at v = 0.5 give 0.5 + 0.5; a group of 4 at v = 0.5 gives only 0.875).

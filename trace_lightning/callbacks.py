@@ -56,7 +56,7 @@ def _engine_part(report: IterationReport) -> dict[str, float]:
 
 def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, float]:
     """Outcomes and contrast. Per-leaf rates divide by all leaves, so allocators that spend the same
-    budget compare directly (TRACE_SPEC "Metrics the paper reports")."""
+    budget compare directly (docs/algorithm.md#metrics)."""
     leaves = [(t, leaf) for t in report.result.trees for leaf in t.leaves()]
     per_leaf = 1.0 / max(len(leaves), 1)
     mixed_prefixes = sum(sum(s.mixed_by_depth[1:]) for s in stats)

@@ -1,5 +1,5 @@
-"""The success predictor Ṽ_ψ: a small head on the policy's final hidden state (TRACE_SPEC, "shared
-predictor", our architecture choice).
+"""The success predictor Ṽ_ψ: a small head on the policy's final hidden state (our architecture choice,
+docs/algorithm.md#the-success-predictor).
 
 The head reads the hidden state at the last token of a prefix, so one forward pass over a rollout
 scores every turn prefix on it at once (attention is causal: the state at the end of turn t has seen
@@ -167,7 +167,7 @@ class ReplayEntry:
 @dataclass
 class PredictorFit:
     """Head-only refit of Ṽ_ψ after each iteration's trees are built, before the policy trains on them
-    (TRACE_SPEC "updated online every iteration, before the policy step").
+    (docs/algorithm.md#predictor-targets-and-the-refit).
 
     The replay holds, per prompt, the targets of the latest iteration it was rolled out in (a later
     visit replaces them), and a fit uses the prompts seen within the last `window` iterations. `steps`

@@ -1,6 +1,6 @@
 """Which prompts Stage 1 sees, and with what success estimates: exploration and calibration around the
-exact V_root program (TRACE_SPEC "Stage 1 in practice"; each option is our choice, off by default and
-ablated in benchmarks/learning.py).
+exact V_root program (docs/algorithm.md#exploration-and-the-calibration-gate; each option is our choice,
+off by default and ablated in benchmarks/learning.py).
 
 A deterministic argmax over a flat or miscalibrated predictor ranks prompts by noise, keeps picking the
 same few and only ever gets labels for what it picked (measured at 85f38aa: below GRPO). The options:

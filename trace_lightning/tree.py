@@ -5,7 +5,7 @@ a continuation sampled from prefix H_t (TRACE Stage 2) is a new chain hanging un
 turn t. Node ids are assigned in creation order, so a parent's id is always smaller than its
 children's: reverse id order is a valid bottom-up order, which `backup` uses.
 
-Which tokens train (TRACE_SPEC "shared prefixes must not be double-trained"): every node's action
+Which tokens train (docs/algorithm.md#which-tokens-train): every node's action
 tokens are trained exactly once, in the sequence of its `owner_leaf` (the lowest-id leaf below it),
 with a node-level advantage; other leaves that pass through the node see its tokens as context only.
 """
@@ -150,7 +150,7 @@ class RolloutTree:
 
 @dataclass(frozen=True)
 class Backup:
-    """Recursive backup over one tree (TRACE_SPEC "training target").  Arrays are [n_nodes].
+    """Recursive backup over one tree (docs/algorithm.md#backup-node-values).  Arrays are [n_nodes].
 
     value[y]     = mean reward of the leaves in y's subtree (V̂; NaN where y has no leaf yet)
     leaves[y]    = number of leaves in y's subtree
@@ -236,7 +236,8 @@ def tree_stats(tree: RolloutTree, success_threshold: float = SUCCESS) -> TreeSta
 
 @dataclass(frozen=True)
 class PredictorTargets:
-    """Regression targets for the success predictor from one tree (TRACE_SPEC "shared predictor").
+    """Regression targets for the success predictor from one tree (docs/algorithm.md, "the joint path"
+    in #predictor-targets-and-the-refit).
 
     Every node with at least one leaf below it is a target: the prompt (depth 0) and each turn
     prefix, with V̂ as the target and its leaf count as the optional weight. Leaves themselves are
