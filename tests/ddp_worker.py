@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py as `python tests/ddp_worker.py OUT_DIR [overrides...]`: the CLI's own
+"""Run by tests/test_distributed.py as `python tests/ddp_worker.py OUT_DIR [overrides...]`: the CLI's own
 `build()` with trainer.strategy=ddp on 2 CPU processes (Lightning relaunches this script for rank 1).
 Each rank writes what it saw of every iteration to OUT_DIR/rank<k>.json."""
 

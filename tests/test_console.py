@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from chain_fixtures import make_data
 from helpers import quiet_trainer, trace_module
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from test_callbacks import make_report
-from test_training import make_data
 from torch.utils._pytree import LeafSpec
 
 from trace_lightning.callbacks import RolloutStats

@@ -14,9 +14,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from chain_fixtures import make_data
 from helpers import quiet_trainer, run_ddp_worker, trace_module
 from peft import LoraConfig, get_peft_model
-from test_training import make_data
 
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.vllm import VLLMEngine

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from test_training import make_data, make_module
+from chain_fixtures import make_data, make_module
 
 from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.auto import auto_engine

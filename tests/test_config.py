@@ -1,21 +1,40 @@
-"""Every config key an error message names is a real key of the composed config.
-
-A message such as "data.pool_size=40 exceeds the 30 tasks" tells the user what to override; a key that
-does not exist (a typo, a renamed group, a key of another component) sends them to a dead end, or to
-Hydra's `+key=` which adds a setting nothing reads. This walks the string parts of every `raise` (and
-every warning) in the package, takes each `a.b=` it names, and resolves it against the union of the
-configs composed with every option of every group.
-"""
+"""The shipped configs: every group option instantiates, and every key an error message names exists."""
 
 import ast
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from trace_lightning import config
+from trace_lightning.allocation import Budget, TreeAllocator
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "allocator").glob("*.yaml")), ids=lambda p: p.stem)
+def test_allocator_configs_instantiate_and_spend_the_budget(path):
+    allocator = instantiate(OmegaConf.load(path))
+    assert isinstance(allocator, TreeAllocator)
+    assert allocator.name == path.stem
+    counts = allocator.allocate_roots(np.linspace(0, 1, 64), Budget(48), np.random.default_rng(0))
+    assert counts.sum() * (1 + allocator.expansion) == 48
+
+
+# ------------------------------------------------------------------ keys named by error messages
+# Every config key an error message names is a real key of the composed config.
+#
+# A message such as "data.pool_size=40 exceeds the 30 tasks" tells the user what to override; a key that
+# does not exist (a typo, a renamed group, a key of another component) sends them to a dead end, or to
+# Hydra's `+key=` which adds a setting nothing reads. This walks the string parts of every `raise` (and
+# every warning) in the package, takes each `a.b=` it names, and resolves it against the union of the
+# configs composed with every option of every group.
+
 
 PACKAGE = Path(config.__file__).parent
 KEY = re.compile(r"(?<![\w.\-/])([a-z][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)=")

@@ -1,0 +1,151 @@
+"""RolloutDataModule through Lightning on the chain task: on-policy iterations, budgets, exact
+re-entry of branched prefixes, robustness to malformed actions, and resume state."""
+
+import functools
+
+import lightning as L
+import numpy as np
+import torch
+from chain_fixtures import fit, make_data, make_module
+
+from trace_lightning import allocation as alloc
+from trace_lightning.collector import fingerprint
+from trace_lightning.engines.base import Completion, EngineStats
+from trace_lightning.engines.hf import HFEngine
+from trace_lightning.envs.chain import ChainEnv
+
+
+class Recorder(L.Callback):
+    """Weights at each epoch end, and whether the first update of each epoch was exactly on-policy."""
+
+    def __init__(self):
+        self.end_fingerprints, self.first_ratio_exact, self.generated_with = [], [], []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.generated_with.append(trainer.datamodule.report.policy_fingerprint)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == 0:
+            with torch.no_grad():
+                logp, _ = module._batch_forward(module.policy, batch)  # the forward training_step runs
+            keep = batch.loss_mask.bool()
+            self.first_ratio_exact.append(bool(torch.equal(logp[keep], batch.old_logprobs[keep])))
+
+    def on_train_epoch_end(self, trainer, module):
+        self.end_fingerprints.append(fingerprint(module))
+
+
+def test_full_iterations_through_lightning_are_on_policy(tiny_model_dir):
+    torch.manual_seed(0)
+    module, data, rec = make_module(tiny_model_dir), make_data(), Recorder()
+    fit(module, data, epochs=3, callbacks=[rec])
+    # the batch of epoch k was sampled by the weights that epoch k-1 ended with
+    assert rec.generated_with[1:] == rec.end_fingerprints[:-1]
+    assert rec.generated_with[0] != rec.end_fingerprints[0]  # and training did change them
+    assert rec.first_ratio_exact == [True, True, True]
+    report = data.report
+    assert report.iteration == 2 and data.collector.iteration == 3
+    assert sum(len(t.leaves()) for t in report.result.trees) == report.result.ledger.leaves_used == 12
+
+
+def test_real_rollout_trees_respect_leaf_and_token_budgets(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    for allocator in (alloc.uniform(4), alloc.trace(2, max_per_prompt=4), alloc.random_expand(2, 2)):
+        data = make_data(allocator=allocator, max_tokens=150)
+        data.build_iteration(module)
+        res = data.report.result
+        assert sum(len(t.leaves()) for t in res.trees) == 12
+        assert res.ledger.tokens_used <= 150
+        assert res.ledger.tokens_used == sum(len(n.action_ids) for t in res.trees for n in t.nodes)
+
+
+class SpyEngine(HFEngine):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.prompts = []
+
+    def generate(self, prompts, params):
+        self.prompts += [list(p) for p in prompts]
+        return super().generate(prompts, params)
+
+
+def test_branching_reenters_exact_prefix_tokens_and_env_state(tiny_model_dir):
+    torch.manual_seed(1)
+    module = make_module(tiny_model_dir)
+    env = ChainEnv(n_tasks=24, turns=3, seed=0)
+    seen_states = []
+    real_step = env.step
+    env.step = lambda task, state, text: (
+        seen_states.append((task.task_id, state)),
+        real_step(task, state, text),
+    )[1]
+    data = make_data(engine=functools.partial(SpyEngine, max_batch_size=16))
+    data.collector.env = env
+    data.build_iteration(module)
+    trees = data.report.result.trees
+    spy = data.collector.runner.engine
+    expand_roots = [
+        (t, n) for t in trees for n in t.nodes if n.stage == "expand" and t.nodes[n.parent].stage == "bare"
+    ]
+    assert expand_roots, "no continuation from a turn prefix was sampled"
+    for tree, node in expand_roots:
+        prefix = tree.token_ids(node.parent)
+        assert prefix in spy.prompts  # the engine was given exactly the prefix's tokens
+        assert (tree.task_id, tree.env_states[node.parent]) in seen_states  # and the env its state there
+        assert tree.token_ids(node.id)[: len(prefix)] == prefix
+
+
+class ScriptedEngine:
+    """Returns adversarial turns (as tokens of the real tokenizer) in a fixed cycle."""
+
+    TEXTS = (
+        "",
+        "<choose>",
+        "</choose>",
+        "<choose></choose>",
+        "<choose>ZZZ</choose>",
+        "\x00\ufffd🙂" * 20,
+        "<choose>" + "A" * 5000 + "</choose>",
+        "<answer>A</answer>",
+        "<choose>B</choose><choose>C</choose>",
+    )
+
+    def __init__(self, model, tokenizer):
+        self.tokenizer, self.stats, self.i = tokenizer, EngineStats(), 0
+
+    def generate(self, prompts, params):
+        out = []
+        for _ in prompts:
+            ids = self.tokenizer(self.TEXTS[self.i % len(self.TEXTS)], add_special_tokens=False)["input_ids"]
+            self.i += 1
+            out.append(Completion(ids, [0.0] * len(ids), "stop"))
+        return out
+
+    def sync_weights(self):
+        pass
+
+
+def test_malformed_and_adversarial_actions_never_crash_a_rollout(tiny_model_dir):
+    module = make_module(tiny_model_dir)
+    data = make_data(engine=ScriptedEngine, allocator=alloc.uniform(4))
+    batches = data.build_iteration(module)
+    counters = data.report.counters
+    assert batches and counters.format_errors > 0
+    assert sum(counters.stop_reasons.values()) == 12
+    assert np.isfinite(sum(module.training_step(b, 0).item() for b in batches))
+
+
+def test_datamodule_state_dict_replays_the_next_iteration_exactly(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    first = make_data()
+    first.build_iteration(module)  # move every generator past its start
+    state = first.state_dict()
+    first.build_iteration(module)
+    expected = [(t.task_id, t.token_ids(leaf)) for t in first.report.result.trees for leaf in t.leaves()]
+    resumed = make_data(seed=123)  # a different seed: everything must come from the state
+    resumed.load_state_dict(state)
+    resumed.build_iteration(module)
+    got = [(t.task_id, t.token_ids(leaf)) for t in resumed.report.result.trees for leaf in t.leaves()]
+    assert got == expected and resumed.collector.iteration == first.collector.iteration == 2
