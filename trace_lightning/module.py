@@ -16,11 +16,10 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from trace_lightning.batching import RolloutBatch, right_pad
 from trace_lightning.engines.base import SamplingParams
-from trace_lightning.engines.hf import CACHE_KWARG
+from trace_lightning.engines.kv import CACHE_KWARG, fan_out, prefill
 from trace_lightning.losses import LossSettings, clipped_surrogate, kl_loss, predictor_mse
 from trace_lightning.models import Policy
 from trace_lightning.packing import trained_logprobs, tree_mask_works
@@ -122,16 +121,9 @@ class TraceModule(L.LightningModule):
             return hidden, 0, torch.zeros(hidden.shape[-1], device=self.device)
         model = self.companion if self.companion is not None else self.policy
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
             prefix = torch.tensor([seqs[0][:shared]], device=self.device)
-            first = model(
-                input_ids=prefix,
-                use_cache=True,
-                output_hidden_states=True,
-                logits_to_keep=1,
-                **{CACHE_KWARG: cache},
-            )
-            cache.batch_select_indices(torch.zeros(len(seqs), dtype=torch.long, device=self.device))
+            cache, first = prefill(model, prefix, hidden_states=True)
+            fan_out(cache, torch.zeros(len(seqs), dtype=torch.long, device=self.device))
             ids, suffix_mask = right_pad([s[shared:] for s in seqs], pad)
             mask = torch.cat([torch.ones(len(seqs), shared, dtype=torch.long), suffix_mask], dim=1)
             positions = shared + torch.arange(ids.shape[1]).expand(len(seqs), -1)

@@ -18,16 +18,13 @@ Three things go beyond a plain `generate` call:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import (
-    DynamicCache,
     GenerationConfig,
-    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -35,14 +32,8 @@ from transformers import (
 )
 
 from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
+from trace_lightning.engines.kv import CACHE_KWARG, fan_out, prefill
 
-# transformers 5.x renamed `past_key_values` to `cache` (the old name warns until 5.40);
-# 4.x only knows the old one.
-CACHE_KWARG = (
-    "cache"
-    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    else "past_key_values"
-)
 # Generation-config fields whose neutral value is None: a model default there would silently change the
 # sampling distribution, and `generate` fills None fields from `model.generation_config`.
 _DISTORTING_FIELDS = (
@@ -112,8 +103,10 @@ class HFEngine:
         ids, mask = ids.to(device), mask.to(device)
         counts = torch.tensor([len(g.rows) for g in groups])  # [U]
         src = torch.repeat_interleave(torch.arange(len(groups)), counts).to(device)  # [B]: row -> its prompt
-        cache = self._prefill(ids[:, :-1], mask[:, :-1])
-        cache.batch_select_indices(src)  # each distinct prompt's KV copied to its n rows
+        # The shared prompt tokens (all but the last) run once, at the positions generate derives from
+        # the attention mask, so the cache lines up with them; each distinct prompt's KV goes to its n rows.
+        positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)  # [U, L-1]
+        cache = fan_out(prefill(self.model, ids[:, :-1], mask[:, :-1], positions)[0], src)
         # The shared part ran once per distinct prompt; generate runs the last prompt token once per row.
         self.stats.prefill_tokens += int(mask[:, :-1].sum()) + len(src)
         self.stats.reused_prefill_tokens += sum((len(g.rows) - 1) * (len(g.prompt) - 1) for g in groups)
@@ -133,23 +126,6 @@ class HFEngine:
         completions = [self._finish(tokens[b], token_logp[b], stops.stop_step[b]) for b in range(len(src))]
         self.stats.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
-
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> DynamicCache:
-        """Run the shared prompt tokens (all but the last) once; an empty cache when there are none."""
-        cache = DynamicCache(config=self.model.config)
-        if ids.shape[1] == 0:
-            return cache
-        # The same positions generate derives from the attention mask, so the cache lines up with them.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, L-1]
-        self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{CACHE_KWARG: cache},
-        )
-        return cache
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Every sampling field set explicitly: `generate` fills unset ones from the model's own defaults

@@ -264,7 +264,9 @@ class SearchQAEnv:
             raise ValueError(f"env.untagged_reply must be 'error' or 'answer', got {untagged_reply!r}")
         self.untagged_reply = untagged_reply
         if top_k < 1 or (max_tasks is not None and max_tasks < 1):
-            raise ValueError(f"env.top_k={top_k} and env.max_tasks={max_tasks} must be >= 1 (max_tasks: or null)")
+            raise ValueError(
+                f"env.top_k={top_k} and env.max_tasks={max_tasks} must be >= 1 (max_tasks: or null)"
+            )
         if importlib.util.find_spec("bm25s") is None:
             raise DataNotInstalledError("the search tool needs bm25s: run `make data` (pip install bm25s)")
         self.top_k, self.reward, self.snippet_chars = top_k, reward, snippet_chars
