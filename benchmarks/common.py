@@ -35,7 +35,7 @@ from peft import LoraConfig
 from transformers.utils import logging as hf_logging
 
 from trace_lightning.allocation import Budget
-from trace_lightning.batching import RolloutBatch
+from trace_lightning.batching import RolloutBatch, TreeGRPO
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
@@ -249,7 +249,7 @@ def bench_data(
     sampling: SamplingParams,
     leaves: int,
     max_tokens: int | None = None,
-    estimator: str = "tree_grpo",
+    estimator: Any = TreeGRPO(),
     **settings: Any,
 ) -> RolloutDataModule:
     """A RolloutDataModule; `settings` are DataSettings fields (micro-batches by count unless given)."""

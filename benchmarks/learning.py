@@ -57,7 +57,7 @@ from omegaconf import OmegaConf
 from trace_lightning import allocation as alloc
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, Budget
-from trace_lightning.batching import collate, leaf_sequences, node_advantages
+from trace_lightning.batching import ESTIMATORS, GRPO, collate, leaf_sequences, node_advantages
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.engines.hf import HFEngine
@@ -159,7 +159,7 @@ def warm_start(module: TraceModule, env: DecisiveEnv, args: argparse.Namespace, 
     limits = EpisodeLimits(args.turns, MAX_EPISODE_TOKENS)
     runner = ReActRunner(teacher, module.tokenizer, env, SamplingParams(MAX_NEW_TOKENS, 1.0), limits)
     demos = play_all(runner, args.demos, rng).trees
-    seqs = leaf_sequences(demos, node_advantages(demos, "grpo"))
+    seqs = leaf_sequences(demos, node_advantages(demos, GRPO()))
     opt = torch.optim.AdamW(module.policy.parameters(), lr=args.sft_lr)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(args.sft_steps):
@@ -313,7 +313,7 @@ def train_run(
             max_turns=args.turns,
             max_episode_tokens=MAX_EPISODE_TOKENS,
         ),
-        estimator=args.estimator,
+        estimator=ESTIMATORS[args.estimator](),
         cold_start=BetaPrior(warmup=1, decay=args.decay),
         selection=Selection(**method.selection),
         predictor_fit=head.refit(seed),

@@ -45,7 +45,14 @@ import transformers
 from common import PhaseClock, bench_module, lora_config, peak_rss_gib, train_iteration
 
 from trace_lightning import allocation as alloc
-from trace_lightning.batching import RolloutBatch, collate, collate_packed, leaf_sequences, node_advantages
+from trace_lightning.batching import (
+    RolloutBatch,
+    TreeGRPO,
+    collate,
+    collate_packed,
+    leaf_sequences,
+    node_advantages,
+)
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
@@ -103,7 +110,7 @@ def make_data(
 
 def layouts(trees: list[RolloutTree], pad: int, args: argparse.Namespace) -> dict[str, list[RolloutBatch]]:
     """The same leaf sequences as per-leaf micro-batches (fixed count) and as packed ones (token budget)."""
-    seqs = leaf_sequences(trees, node_advantages(trees, "tree_grpo"))
+    seqs = leaf_sequences(trees, node_advantages(trees, TreeGRPO()))
     per_leaf = [
         collate(seqs[i : i + args.micro_batch_size], pad) for i in range(0, len(seqs), args.micro_batch_size)
     ]
@@ -171,7 +178,7 @@ def packing_speedup(
 
 def grad_check(module: TraceModule, trees: list[RolloutTree], args: argparse.Namespace) -> dict[str, float]:
     """Loss and gradients of the first packed micro-batch against the same sequences per-leaf."""
-    seqs = leaf_sequences(trees, node_advantages(trees, "tree_grpo"))
+    seqs = leaf_sequences(trees, node_advantages(trees, TreeGRPO()))
     group = budget_groups(trees, [(s.tree_index, s.leaf) for s in seqs], args.micro_batch_tokens)[0]
     chunk, pad = [seqs[j] for j in group], module.tokenizer.pad_token_id
     unpacked, packed = collate(chunk, pad), collate_packed(chunk, trees, pad)

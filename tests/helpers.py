@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from trace_lightning.allocation import Budget
+from trace_lightning.batching import TreeGRPO
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.models import build_policy
@@ -99,7 +100,7 @@ def rollout_data(
     leaves=12,
     max_tokens=None,
     *,
-    estimator="tree_grpo",
+    estimator=TreeGRPO(),
     cold_start=None,
     selection=None,
     predictor_fit=None,

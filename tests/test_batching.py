@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lightning.batching import collate, leaf_sequences, node_advantages
+from trace_lightning.batching import GRPO, TreeGRPO, TreeSegment, collate, leaf_sequences, node_advantages
 from trace_lightning.tree import RolloutTree
 
 
@@ -21,7 +21,7 @@ def two_trees() -> list[RolloutTree]:
 def test_grpo_node_advantages_by_hand():
     # tree 0 leaves (ids 2, 3, 4) rewards 1, 0, 0: mean 1/3, unbiased std sqrt(1/3)
     # -> b = (2/3)/0.57735 = 1.1547, d = c = -0.57735; node a = mean(b, c) = 0.2887
-    a0, a1 = node_advantages(two_trees(), "grpo")
+    a0, a1 = node_advantages(two_trees(), GRPO())
     s = np.sqrt(1 / 3) + 1e-6
     np.testing.assert_allclose(a0[2], (2 / 3) / s, rtol=1e-5)
     np.testing.assert_allclose(a0[[3, 4]], [-(1 / 3) / s] * 2, rtol=1e-5)
@@ -30,8 +30,8 @@ def test_grpo_node_advantages_by_hand():
 
 
 def test_tree_grpo_local_group_is_the_bare_rollout_subtree():
-    a0, _ = node_advantages(two_trees(), "tree_grpo")
-    g, _ = node_advantages(two_trees(), "grpo")
+    a0, _ = node_advantages(two_trees(), TreeGRPO())
+    g, _ = node_advantages(two_trees(), GRPO())
     # local groups: {b, c} under a (rewards 1, 0: +-0.7071), {d} alone (0)
     assert a0[2] == pytest.approx(g[2] + 0.70710, abs=1e-4)
     assert a0[4] == pytest.approx(g[4] - 0.70710, abs=1e-4)
@@ -39,21 +39,16 @@ def test_tree_grpo_local_group_is_the_bare_rollout_subtree():
 
 
 def test_tree_segment_uses_backed_up_values():
-    a0, _ = node_advantages(two_trees(), "tree_segment")
+    a0, _ = node_advantages(two_trees(), TreeSegment())
     # V̂: root 1/3, a 1/2, b 1, d 0, c 0. A(b) = (1 - 1/2) + (1 - 1/3) = 7/6
     assert a0[2] == pytest.approx(7 / 6)
     assert a0[1] == pytest.approx((0.5 - 1 / 3) * 2)
     assert a0[0] == 0.0
 
 
-def test_unknown_estimator_is_a_clear_error():
-    with pytest.raises(ValueError, match="advantage.estimator"):
-        node_advantages(two_trees(), "ppo")
-
-
 def test_each_action_token_is_trained_exactly_once_and_observations_never():
     trees = two_trees()
-    seqs = leaf_sequences(trees, node_advantages(trees, "tree_segment"))
+    seqs = leaf_sequences(trees, node_advantages(trees, TreeSegment()))
     assert [(s.tree_index, s.leaf) for s in seqs] == [(0, 2), (0, 3), (0, 4), (1, 1)]
     b, d, c = seqs[0], seqs[1], seqs[2]
     assert b.token_ids == [100, 101, 1, 2, 3, 4]
@@ -67,7 +62,7 @@ def test_each_action_token_is_trained_exactly_once_and_observations_never():
 
 def test_predictor_targets_read_at_prefix_ends_once():
     trees = two_trees()
-    seqs = leaf_sequences(trees, node_advantages(trees, "grpo"))
+    seqs = leaf_sequences(trees, node_advantages(trees, GRPO()))
     b = seqs[0]
     # root target at the last prompt token (1), prefix a at the end of its observation (4)
     assert b.pred_positions == [1, 4]
@@ -78,7 +73,7 @@ def test_predictor_targets_read_at_prefix_ends_once():
 
 def test_collate_pads_right_and_keeps_targets_aligned():
     trees = two_trees()
-    seqs = leaf_sequences(trees, node_advantages(trees, "grpo"))
+    seqs = leaf_sequences(trees, node_advantages(trees, GRPO()))
     batch = collate(seqs, pad_id=0)
     assert batch.input_ids.shape == (4, 7)
     assert batch.attention_mask.sum().item() == sum(len(s.token_ids) for s in seqs)

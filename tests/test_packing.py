@@ -12,7 +12,14 @@ import pytest
 import torch
 from helpers import rollout_data, trace_module
 
-from trace_lightning.batching import collate, collate_packed, leaf_sequences, node_advantages
+from trace_lightning.batching import (
+    ESTIMATORS,
+    GRPO,
+    collate,
+    collate_packed,
+    leaf_sequences,
+    node_advantages,
+)
 from trace_lightning.losses import LossSettings
 from trace_lightning.module import TraceModule
 from trace_lightning.packing import budget_groups, pack, packed_tokens
@@ -63,7 +70,7 @@ def plain_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def batches(trees: list[RolloutTree], estimator: str = "grpo"):
-    seqs = leaf_sequences(trees, node_advantages(trees, estimator))
+    seqs = leaf_sequences(trees, node_advantages(trees, ESTIMATORS[estimator]()))
     return seqs, collate(seqs, 0), collate_packed(seqs, trees, 0)
 
 
@@ -128,7 +135,7 @@ def test_left_and_right_padding_and_every_row_layout_agree(module):
         got, _ = module._batch_forward(module.policy, unpacked)
         torch.testing.assert_close(got[keep].detach(), right[keep].detach(), atol=1e-5, rtol=0, msg=name)
     for ti, tree in enumerate(trees):  # each tree packed alone
-        alone = leaf_sequences([tree], node_advantages([tree], "grpo"))
+        alone = leaf_sequences([tree], node_advantages([tree], GRPO()))
         got, _ = module._batch_forward(module.policy, collate_packed(alone, [tree], 0))
         rows = [i for i, k in enumerate(keys) if k[0] == ti]
         sub = keep[rows][:, : got.shape[1]]

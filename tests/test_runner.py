@@ -134,13 +134,14 @@ def build(
     engine: type[ScriptedEngine] = ScriptedEngine,
     allocator: alloc.TreeAllocator | None = None,
     leaves: int = 8,
-    estimator: str = "tree_grpo",
+    estimator: str = "tree_grpo",  # a name in batching.ESTIMATORS
     **runner_kw: Any,
 ) -> tuple[RolloutDataModule, list[RolloutBatch]]:
     """One iteration with these episode limits (the DataSettings fields)."""
     limits = {"max_turns": MAX_TURNS, "max_episode_tokens": MAX_EPISODE_TOKENS, **runner_kw}
     allocator = allocator or alloc.uniform(4)
-    data = rollout_data(env, allocator, engine, SAMPLING, leaves, estimator=estimator, pool_size=8, **limits)
+    estimator_ = ESTIMATORS[estimator]()
+    data = rollout_data(env, allocator, engine, SAMPLING, leaves, estimator=estimator_, pool_size=8, **limits)
     return data, data.build_iteration(module)
 
 
@@ -343,7 +344,7 @@ def chain_data(
         ScriptedEngine,
         SAMPLING,
         leaves,
-        estimator=estimator,
+        estimator=ESTIMATORS[estimator](),
         pool_size=8,
         max_turns=MAX_TURNS,
         max_episode_tokens=MAX_EPISODE_TOKENS,

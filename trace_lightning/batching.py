@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,9 +23,6 @@ import torch
 from trace_lightning import advantages as adv
 from trace_lightning.packing import PackedRows, pack, packed_tokens
 from trace_lightning.tree import RolloutTree, backup, predictor_targets
-
-Estimator = Literal["grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "tree_grpo", "tree_segment")
 
 
 @dataclass(frozen=True)
@@ -68,36 +65,112 @@ def _forest(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.nd
     return parents, tree_of, offsets
 
 
-def node_advantages(trees: Sequence[RolloutTree], estimator: Estimator) -> list[np.ndarray]:
-    """Advantage of every node of every tree (one array per tree, root = 0)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"advantage.estimator={estimator!r} is unknown; use one of {list(ESTIMATORS)}")
+class Estimator(Protocol):
+    """Node advantages of every node of every tree (one array per tree, root = 0). The `advantage`
+    config group selects one by `_target_` (conf/advantage/*.yaml)."""
+
+    name: str
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]: ...
+
+
+def _per_tree(trees: Sequence[RolloutTree], offsets: np.ndarray, flat: torch.Tensor) -> list[np.ndarray]:
+    flat_np = flat.numpy()
+    return [flat_np[offsets[i] : offsets[i + 1]] for i in range(len(trees))]
+
+
+def _from_leaves(
+    trees: Sequence[RolloutTree], leaf_advantages: Callable[..., torch.Tensor]
+) -> list[np.ndarray]:
+    """A leaf-level estimator's advantages, handed to the nodes under the once-per-node rule.
+    `leaf_advantages(rewards [L], prompt groups [L], first-turn groups [L])` -> [L]."""
     if not trees:
         return []
     parents, tree_of, offsets = _forest(trees)
-    backups = [backup(t) for t in trees]
-    if estimator == "tree_segment":
+    leaf_ids = np.concatenate(
+        [np.array(t.leaves(), dtype=np.int64) + o for t, o in zip(trees, offsets, strict=False)]
+    )
+    rewards = torch.tensor(
+        [n.reward for t in trees for n in t.nodes if n.reward is not None], dtype=torch.float64
+    )
+    groups = torch.tensor(tree_of[leaf_ids])
+    local = torch.tensor(_depth_one_ancestor(parents, leaf_ids))
+    leaf_adv = leaf_advantages(rewards, groups, local)
+    flat = adv.node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv)
+    return _per_tree(trees, offsets, flat)
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """Leaf reward standardised within its prompt's leaves (`advantages.grpo`)."""
+
+    name = "grpo"
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _from_leaves(trees, lambda r, groups, _: adv.grpo(r, groups))
+
+
+@dataclass(frozen=True)
+class DrGRPO:
+    """Leaf reward centred within its prompt's leaves, no std division (`advantages.dr_grpo`)."""
+
+    name = "dr_grpo"
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _from_leaves(trees, lambda r, groups, _: adv.dr_grpo(r, groups))
+
+
+@dataclass(frozen=True)
+class RLOO:
+    """Leaf reward minus the mean of its prompt's other leaves (`advantages.rloo`)."""
+
+    name = "rloo"
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _from_leaves(trees, lambda r, groups, _: adv.rloo(r, groups))
+
+
+@dataclass(frozen=True)
+class TreeGRPO:
+    """GRPO within the leaf's first-turn subtree plus GRPO within the prompt (`advantages.tree_grpo`)."""
+
+    name = "tree_grpo"
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _from_leaves(trees, lambda r, groups, local: adv.tree_grpo(r, local, groups))
+
+
+@dataclass(frozen=True)
+class TreeSegment:
+    """Per node from backed-up values: [V̂(s) - V̂(parent)] + [V̂(s) - V̂(root)] (`advantages.tree_segment`);
+    `scale_by_leaves` divides by sqrt(leaves below), as TreeRL does."""
+
+    scale_by_leaves: bool = False
+    name = "tree_segment"
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        if not trees:
+            return []
+        parents, tree_of, offsets = _forest(trees)
+        backups = [backup(t) for t in trees]
         values = torch.tensor(np.concatenate([b.value for b in backups]))
         roots = torch.tensor(offsets[tree_of])
         leaves = torch.tensor(np.concatenate([b.leaves for b in backups]))
-        flat = adv.tree_segment(values, torch.tensor(parents), roots, leaves)
-    else:
-        leaf_ids = np.concatenate(
-            [np.array(t.leaves(), dtype=np.int64) + o for t, o in zip(trees, offsets, strict=False)]
-        )
-        rewards = torch.tensor(
-            [n.reward for t in trees for n in t.nodes if n.reward is not None], dtype=torch.float64
-        )
-        groups = torch.tensor(tree_of[leaf_ids])
-        if estimator == "tree_grpo":
-            leaf_adv = adv.tree_grpo(rewards, torch.tensor(_depth_one_ancestor(parents, leaf_ids)), groups)
-        else:
-            leaf_adv = {"grpo": adv.grpo, "dr_grpo": adv.dr_grpo, "rloo": adv.rloo}[estimator](
-                rewards, groups
-            )
-        flat = adv.node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv)
-    flat_np = flat.numpy()
-    return [flat_np[offsets[i] : offsets[i + 1]] for i in range(len(trees))]
+        flat = adv.tree_segment(values, torch.tensor(parents), roots, leaves, self.scale_by_leaves)
+        return _per_tree(trees, offsets, flat)
+
+
+# Every estimator by name: for benchmarks' command-line flags and tests that try them all. The trainer
+# selects one by `_target_` (conf/advantage/*.yaml), not by this table.
+ESTIMATORS: dict[str, Callable[[], Estimator]] = {
+    e.name: e
+    for e in (GRPO, DrGRPO, RLOO, TreeGRPO, TreeSegment)  # type: ignore[misc]
+}
+
+
+def node_advantages(trees: Sequence[RolloutTree], estimator: Estimator) -> list[np.ndarray]:
+    """Advantage of every node of every tree (one array per tree, root = 0)."""
+    return estimator(trees)
 
 
 def _depth_one_ancestor(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:

@@ -35,11 +35,6 @@ class CheckpointsConfig:
     allow_config_change: bool = False
 
 
-@dataclass
-class AdvantageConfig:
-    estimator: str = MISSING  # each conf/advantage/*.yaml names its estimator
-
-
 def schema_of(cls: type) -> type:
     """A typed structured-config class for the config group that builds `cls`: `_target_` plus each of
     its fields that has a plain default, with the class's own type and default. So the class is the one
@@ -82,7 +77,7 @@ class TrainConfig:
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)  # type: ignore[valid-type]
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # type: ignore[valid-type]
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # type: ignore[valid-type]
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    advantage: Any = MISSING  # an estimator of batching.py, by `_target_` (conf/advantage/*.yaml)
     model: Any = MISSING
     adapter: Any = None
     optimizer: Any = MISSING

@@ -17,7 +17,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
-from trace_lightning.batching import RolloutBatch
+from trace_lightning.batching import Estimator, RolloutBatch, TreeGRPO
 from trace_lightning.collector import Batching, EngineFactory, IterationReport, RolloutCollector
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import SamplingParams
@@ -52,7 +52,7 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: SamplingParams = SamplingParams(),
         budget: Budget = Budget(),
         settings: DataSettings = DataSettings(),
-        estimator: str = "tree_grpo",
+        estimator: Estimator = TreeGRPO(),
         cold_start: BetaPrior | None = None,
         selection: Selection | None = None,
         predictor_fit: PredictorFit | None = None,

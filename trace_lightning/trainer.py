@@ -60,7 +60,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         sampling,
         _make(cfg.budget),
         _make(cfg.data),
-        cfg.advantage.estimator,
+        _make(cfg.advantage),
         _make(cfg.cold_start),
         _make(cfg.selection),
         predictor.refit(cfg.seed),
