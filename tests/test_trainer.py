@@ -47,7 +47,7 @@ def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
         else make_cfg(tmp_path, f"model={option}")
     )
     node = cfg[group]
-    if node is None or group in ("predictor", "advantage"):  # plain values, consumed by build()
+    if node is None:
         return
     if (
         group == "model" and option == "smollm2"
@@ -96,6 +96,41 @@ def test_wrong_type_and_unknown_key_fail_naming_the_key(tmp_path):
         make_cfg(tmp_path, "budget.leavs=3")
     with pytest.raises(ConfigCompositionException, match="allocator"):
         make_cfg(tmp_path, "allocator=nonsense")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.pool_size=1000", "data.pool_size"),  # more than the chain task's 24 tasks
+        ("data.max_turns=0", "data.max_turns"),
+        ("loss.clip_low=1.5", "loss.clip_low"),
+        ("loss.kl_kind=k2", "loss.kl_kind"),
+        ("sampling.temperature=0", "sampling.temperature"),
+        ("predictor.pooling=max", "predictor.pooling"),
+        ("cold_start.decay=2", "cold_start.decay"),
+        ("module.max_skipped_steps=0", "module.max_skipped_steps"),
+        ("checkpoints.keep_last=0", "checkpoints.keep_last"),
+        ("trainer.reload_dataloaders_every_n_epochs=2", "trainer.reload_dataloaders_every_n_epochs"),
+    ],
+)
+def test_bad_values_fail_before_any_model_engine_or_mlflow_run(tmp_path, monkeypatch, override, key):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad value was caught")
+
+    monkeypatch.setattr(trainer, "build_policy", no_model)
+    cfg = make_cfg(tmp_path, "debug=fast", "env.n_tasks=24", override)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        trainer.build(cfg)
+    assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was opened (nor left FAILED)
+
+
+def test_a_misspelt_setting_names_the_real_one():
+    with pytest.raises(config.UnknownSettingError, match=r"did you mean budget\.leaves"):
+        config.check_overrides(["budget.leavs=3"])
+    with pytest.raises(config.UnknownSettingError, match=r"env\.sandbox\.wall_seconds"):
+        config.check_overrides(["env=math_tool", "env.sandbox.wall_secnds=2"])  # a key of the chosen group
+    config.check_overrides(["env=math_tool", "env.sandbox.wall_seconds=2", "budget.leaves=6"])  # real keys
+    config.check_overrides(["+extra.key=1", "-m", "allocator=uniform,trace", "allocator.expansion=2"])
 
 
 def run_cli(tmp_path, *overrides):
