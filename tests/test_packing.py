@@ -20,7 +20,7 @@ from trace_lightning.batching import (
     leaf_sequences,
     node_advantages,
 )
-from trace_lightning.losses import LossSettings
+from trace_lightning.losses import LossSettings, SeqMeanTokenMean, TokenMean
 from trace_lightning.module import TraceModule
 from trace_lightning.packing import budget_groups, pack, packed_tokens
 from trace_lightning.predictor import PredictorSettings
@@ -165,13 +165,14 @@ def grads(module: TraceModule, batch) -> tuple[torch.Tensor, dict[str, torch.Ten
     return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("aggregation", [TokenMean(), SeqMeanTokenMean()], ids=["token_mean", "seq_mean"])
 def test_same_loss_and_gradients_as_per_leaf_training(tiny_model_dir, aggregation):
     module = trace_module(
         tiny_model_dir,
         functools.partial(torch.optim.SGD, lr=0.1),
         predictor=HEAD,
-        loss=LossSettings(aggregation=aggregation, kl_coef=0.1),  # the reference log-probs are packed too
+        loss=LossSettings(kl_coef=0.1),  # the reference log-probs are packed too
+        aggregation=aggregation,
     )
     trees = [branching_tree(5), branching_tree(6, prompt_len=3)]
     _, unpacked, packed = batches(trees, "tree_segment")

@@ -30,7 +30,7 @@ from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.chain import ChainEnv
-from trace_lightning.losses import LossSettings, clipped_surrogate
+from trace_lightning.losses import LossSettings, TokenMean, clipped_surrogate
 from trace_lightning.module import ModuleSettings, NonFiniteTrainingError, TraceModule
 from trace_lightning.runner import (
     TRUNCATION_MARK,
@@ -435,7 +435,9 @@ def assert_zero_policy_gradient(module: TraceModule, batch: RolloutBatch) -> Non
     assert batch.loss_mask.any()  # there are tokens to train, so a zero gradient is not vacuous
     module.zero_grad(set_to_none=True)
     logp, _ = module._forward(module.policy, batch.input_ids, batch.attention_mask)
-    pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossSettings())
+    pg = clipped_surrogate(
+        logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossSettings(), TokenMean()
+    )
     pg.loss.backward()
     assert pg.loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in module.policy.parameters())

@@ -163,8 +163,7 @@ class TreeSegment:
 # Every estimator by name: for benchmarks' command-line flags and tests that try them all. The trainer
 # selects one by `_target_` (conf/advantage/*.yaml), not by this table.
 ESTIMATORS: dict[str, Callable[[], Estimator]] = {
-    e.name: e
-    for e in (GRPO, DrGRPO, RLOO, TreeGRPO, TreeSegment)  # type: ignore[misc]
+    e.name: e for e in (GRPO, DrGRPO, RLOO, TreeGRPO, TreeSegment)
 }
 
 

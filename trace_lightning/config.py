@@ -78,6 +78,7 @@ class TrainConfig:
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # type: ignore[valid-type]
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # type: ignore[valid-type]
     advantage: Any = MISSING  # an estimator of batching.py, by `_target_` (conf/advantage/*.yaml)
+    aggregation: Any = MISSING  # a loss aggregation of losses.py, by `_target_` (conf/aggregation/*.yaml)
     model: Any = MISSING
     adapter: Any = None
     optimizer: Any = MISSING

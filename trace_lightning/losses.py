@@ -12,39 +12,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Protocol
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
-KLKind = Literal["k1", "k3"]
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
 KL_KINDS: tuple[str, ...] = ("k1", "k3")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce per-token values to a scalar loss.
+class Aggregation(Protocol):
+    """Per-token values [B, T] and their mask [B, T] -> one scalar loss. The `aggregation` config
+    group selects one by `_target_` (conf/aggregation/*.yaml).
 
-    token-mean: sum(values * mask) / sum(mask); every trained token weighs the same (DAPO).
-    seq-mean-token-mean: mean over sequences with at least one trained token of that sequence's token
-    mean; every sequence weighs the same, whatever its length (original GRPO).
+    Every aggregation gives 0.0 for an all-zero mask, still attached to the graph of `values`, never
+    NaN, and ignores whatever the masked-out positions hold.
 
-    Example: values [[1, 2, 3, 4], [5, 6, 0, 0]], mask [[1, 1, 1, 1], [1, 1, 0, 0]] -> token-mean
-    21 / 6 = 3.5; seq-mean-token-mean (2.5 + 5.5) / 2 = 4.0.
-
-    An all-zero mask gives 0.0, still attached to the graph of `values`, never NaN.
+    Example: values [[1, 2, 3, 4], [5, 6, 0, 0]], mask [[1, 1, 1, 1], [1, 1, 0, 0]] -> TokenMean
+    21 / 6 = 3.5; SeqMeanTokenMean (2.5 + 5.5) / 2 = 4.0.
     """
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"loss.aggregation={mode!r} is unknown; use one of {list(AGGREGATIONS)}")
-    keep = mask.bool()  # [B, T]
-    weights = keep.to(values.dtype)  # [B, T]
-    masked = torch.where(keep, values, torch.zeros_like(values))  # [B, T]
-    if mode == "token-mean":
+
+    def __call__(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+
+
+def _kept(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values with masked-out positions set to 0, the mask as weights), both [B, T]."""
+    keep = mask.bool()
+    return torch.where(keep, values, torch.zeros_like(values)), keep.to(values.dtype)
+
+
+@dataclass(frozen=True)
+class TokenMean:
+    """sum(values * mask) / sum(mask): every trained token weighs the same (DAPO)."""
+
+    def __call__(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        masked, weights = _kept(values, mask)
         return masked.sum() / weights.sum().clamp(min=1)
-    seq_tokens = weights.sum(dim=-1)  # [B]
-    seq_mean = masked.sum(dim=-1) / seq_tokens.clamp(min=1)  # [B]; 0 for sequences with no token
-    has_tokens = (seq_tokens > 0).to(values.dtype)  # [B]
-    return (seq_mean * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class SeqMeanTokenMean:
+    """The mean over sequences with at least one trained token of that sequence's token mean: every
+    sequence weighs the same, whatever its length (the original GRPO)."""
+
+    def __call__(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        masked, weights = _kept(values, mask)
+        seq_tokens = weights.sum(dim=-1)  # [B]
+        seq_mean = masked.sum(dim=-1) / seq_tokens.clamp(min=1)  # [B]; 0 for sequences with no token
+        has_tokens = (seq_tokens > 0).to(values.dtype)  # [B]
+        return (seq_mean * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
 def _kl_from_log_ratio(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
@@ -75,13 +89,13 @@ def kl_loss(
     ref_logp: torch.Tensor,
     mask: torch.Tensor,
     kind: str,
-    aggregation: str,
+    aggregation: Aggregation,
 ) -> torch.Tensor:
     """Aggregated KL penalty against the reference policy over the trained tokens."""
     keep = mask.bool()  # [B, T]
     # A zero log-ratio gives exactly 0 for both k1 and k3, so masked tokens add nothing, not even NaN.
     log_ratio = torch.where(keep, ref_logp - logp, torch.zeros_like(logp))  # [B, T]
-    return aggregate(_kl_from_log_ratio(log_ratio, kind), mask, aggregation)
+    return aggregation(_kl_from_log_ratio(log_ratio, kind), mask)
 
 
 @dataclass(frozen=True)
@@ -105,14 +119,12 @@ class LossSettings:
 
     clip_low / clip_high: the ratio's trust region [1 - clip_low, 1 + clip_high] (clip-higher, DAPO).
     dual_clip: cap on the loss of negative-advantage tokens (> 1), or None.
-    aggregation: how token losses become one scalar (see `aggregate`).
     kl_coef / kl_kind: weight and estimator of the KL penalty to the reference policy (0: none).
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
-    aggregation: str = "token-mean"
     kl_coef: float = 0.0
     kl_kind: str = "k3"
 
@@ -127,10 +139,6 @@ class LossSettings:
             raise ValueError(
                 f"loss.dual_clip={self.dual_clip}: must be > 1 (3.0 is usual), or null to disable"
             )
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(
-                f"loss.aggregation={self.aggregation!r} is unknown; use one of {list(AGGREGATIONS)}"
-            )
         if self.kl_coef < 0:
             raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty)")
         if self.kl_kind not in KL_KINDS:
@@ -143,6 +151,7 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     settings: LossSettings,
+    aggregation: Aggregation,
 ) -> SurrogateOutput:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric bounds and optional dual clip.
 
@@ -177,10 +186,10 @@ def clipped_surrogate(
         per_token = torch.where(capped, cap, per_token)
         was_clipped = was_clipped | capped
     with torch.no_grad():
-        clip_frac = aggregate(was_clipped.to(logp.dtype), mask, "token-mean")
-        ratio_mean = aggregate(ratio, mask, "token-mean")
-        approx_kl = aggregate(-log_ratio, mask, "token-mean")
-    return SurrogateOutput(aggregate(per_token, mask, settings.aggregation), clip_frac, ratio_mean, approx_kl)
+        mean = TokenMean()
+        clip_frac, ratio_mean = mean(was_clipped.to(logp.dtype), mask), mean(ratio, mask)
+        approx_kl = mean(-log_ratio, mask)
+    return SurrogateOutput(aggregation(per_token, mask), clip_frac, ratio_mean, approx_kl)
 
 
 def predictor_mse(
@@ -230,7 +239,10 @@ def clipped_surrogate_reference(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     settings: LossSettings,
+    mode: str,
 ) -> SurrogateOutput:
+    """The loop form of `clipped_surrogate`; `mode` names the aggregation ("token-mean" or
+    "seq-mean-token-mean")."""
     clip_low, clip_high, dual_clip = settings.clip_low, settings.clip_high, settings.dual_clip
     B, T = logp.shape
     losses = [[0.0] * T for _ in range(B)]
@@ -254,5 +266,5 @@ def clipped_surrogate_reference(
     def mean(xs: list[float]) -> torch.Tensor:
         return torch.tensor(sum(xs) / len(xs) if xs else 0.0, dtype=logp.dtype)
 
-    loss = aggregate_reference(torch.tensor(losses, dtype=logp.dtype), mask, settings.aggregation)
+    loss = aggregate_reference(torch.tensor(losses, dtype=logp.dtype), mask, mode)
     return SurrogateOutput(loss, mean(flags), mean(ratios), mean(kls))

@@ -20,7 +20,14 @@ import torch
 from trace_lightning.batching import RolloutBatch, right_pad
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.kv import CACHE_KWARG, fan_out, prefill
-from trace_lightning.losses import LossSettings, clipped_surrogate, kl_loss, predictor_mse
+from trace_lightning.losses import (
+    Aggregation,
+    LossSettings,
+    TokenMean,
+    clipped_surrogate,
+    kl_loss,
+    predictor_mse,
+)
 from trace_lightning.models import Policy
 from trace_lightning.packing import trained_logprobs, tree_mask_works
 from trace_lightning.predictor import PredictorSettings, SuccessHead, gather_positions
@@ -63,6 +70,7 @@ class TraceModule(L.LightningModule):
         *,
         sampling: SamplingParams = SamplingParams(),
         loss: LossSettings = LossSettings(),
+        aggregation: Aggregation = TokenMean(),
         predictor: PredictorSettings = PredictorSettings(),
         settings: ModuleSettings = ModuleSettings(),
         head: SuccessHead | None = None,
@@ -71,6 +79,7 @@ class TraceModule(L.LightningModule):
         super().__init__()
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sampling, self.loss_settings, self.predictor_settings = sampling, loss, predictor
+        self.aggregation = aggregation
         self.settings = settings
         self.policy, self.tokenizer = policy.model.train(), policy.tokenizer
         # from_pretrained returns eval mode; Lightning keeps submodules' modes, and we train (dropout 0)
@@ -254,7 +263,9 @@ class TraceModule(L.LightningModule):
             return None
         hp, pred_cfg = self.loss_settings, self.predictor_settings
         logp, hidden = self._batch_forward(self.policy, batch)
-        pg = clipped_surrogate(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, hp)
+        pg = clipped_surrogate(
+            logp, batch.old_logprobs, batch.advantages, batch.loss_mask, hp, self.aggregation
+        )
         loss = pg.loss
         metrics = {
             "train/policy_loss": pg.loss.detach(),
@@ -263,7 +274,8 @@ class TraceModule(L.LightningModule):
             "train/approx_kl": pg.approx_kl,
         }
         if hp.kl_coef > 0:
-            kl = kl_loss(logp, self._reference_logprobs(batch), batch.loss_mask, hp.kl_kind, hp.aggregation)
+            ref = self._reference_logprobs(batch)
+            kl = kl_loss(logp, ref, batch.loss_mask, hp.kl_kind, self.aggregation)
             loss = loss + hp.kl_coef * kl
             metrics["train/kl"] = kl.detach()
         if batch.pred_targets.numel() and pred_cfg.coef > 0:

@@ -79,6 +79,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         _make(cfg.scheduler) if cfg.scheduler is not None else None,
         sampling=sampling,
         loss=loss,
+        aggregation=_make(cfg.aggregation),
         predictor=predictor,
         settings=settings,
         head=predictor.build_head(backbone.config.hidden_size),
