@@ -25,6 +25,7 @@ from trace_lightning.envs.search_qa import SearchQAEnv
 from trace_lightning.iteration import Branch
 from trace_lightning.models import build_policy, prepare_smollm2
 from trace_lightning.runner import EpisodeLimits, ReActRunner
+from trace_lightning.tree import SUCCESS
 from trace_lightning.warmstart import split_tasks
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     start = time.perf_counter()
     runner([Branch(t, 0, args.samples, "bare") for t in trees], ledger, np.random.default_rng(0))
     leaves = [t.nodes[leaf] for t in trees for leaf in t.leaves()]
-    per_task = [float(np.mean([t.nodes[leaf].reward >= 0.5 for leaf in t.leaves()])) for t in trees]
+    per_task = [float(np.mean([t.nodes[leaf].reward >= SUCCESS for leaf in t.leaves()])) for t in trees]
     result = {
         "model": args.model,
         "env": args.env,

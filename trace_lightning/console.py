@@ -53,7 +53,7 @@ class IterationSummary:
     """One iteration, as the summary table shows it."""
 
     iteration: int
-    success_rate: float  # share of leaves with reward >= 0.5
+    success_rate: float  # share of leaves with reward >= tree.SUCCESS
     effective_ratio: float  # share of prompts whose tree has both outcomes
     mixed_roots: int  # trees whose root is mixed
     mixed_prefixes: int  # mixed nodes at depth >= 1 (contrast only Stage 2 can create)
