@@ -69,15 +69,15 @@ def test_resume_into_a_moved_run_dir_continues_the_run_without_duplicate_steps(t
     (run,) = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
     steps_before = max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
     # Resume from iteration 0 although iteration 1 was logged: like a kill mid-iteration, the run holds
-    # steps past the checkpoint. The moved run_dir also moves the tiny model, so model_path changes.
+    # steps past the checkpoint. The moved run_dir also moves the tiny model, so model.out_dir changes.
     start = first / "checkpoints" / "iteration-0000.ckpt"
     trainer.train(make_cfg(tmp_path, moved, "trainer.max_epochs=3", f"ckpt_path={start}"))
     runs = client.search_runs([client.get_experiment_by_name("trace_lightning").experiment_id])
     assert [r.info.run_id for r in runs] == [run.info.run_id]  # the same run continued, no second one
     resumed = client.get_run(run.info.run_id)
     assert resumed.info.status == "FINISHED"
-    assert resumed.data.params["model_path"] == str(first / "tiny_model")  # the first value stays
-    assert resumed.data.tags["resumed/model_path"] == str(moved / "tiny_model")  # the change is kept
+    assert resumed.data.params["model.out_dir"] == str(first / "tiny_model")  # the first value stays
+    assert resumed.data.tags["resumed/model.out_dir"] == str(moved / "tiny_model")  # the change is kept
     for key in resumed.data.metrics:
         steps = Counter(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert max(steps.values()) == 1, f"{key}: steps logged twice {[s for s, n in steps.items() if n > 1]}"

@@ -157,15 +157,21 @@ def _logger(
     if run_id is not None and (uri is None or run_in_store(uri, run_id)):
         logger = instantiate(cfg.logger, run_id=run_id)
         logger.experiment.update_run(run_id, status="RUNNING")  # it may have been marked KILLED
+        _log_config(logger, cfg)  # a setting the resume changed is kept as a resumed/<key> tag
         return logger
     tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
     if run_id is not None:
         tags["resumed_from_run"] = run_id
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
     mark_model_training(logger)
+    _log_config(logger, cfg)
+    return logger
+
+
+def _log_config(logger: Any, cfg: DictConfig) -> None:
+    """Every resolved setting as a flat MLflow param (the module logs none of its own)."""
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
-    return logger
 
 
 # MLflow 3's UI has two views, GenAI (runs listed as "Evaluation runs", traces first) and Model
