@@ -205,10 +205,17 @@ def test_vllm_logs_to_the_run_log_and_single_process_fits_warn_once_per_cause(mo
     torch.manual_seed(0)
     module = trace_module(model_dir, torch.optim.AdamW, sampling=SAMPLING)
     data = make_data(engine=functools.partial(VLLMEngine, **LLM_ARGS), sampling=SAMPLING)
+    seen = []
+
+    class DistributedDuringFit(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append(torch.distributed.is_initialized())
+
+    callbacks = [RolloutStats(), RunSummary(), DistributedDuringFit()]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        quiet_trainer(max_epochs=1, callbacks=[RolloutStats(), RunSummary()]).fit(module, datamodule=data)
-    assert torch.distributed.is_initialized()  # the cause of the warning is present
+        quiet_trainer(max_epochs=1, callbacks=callbacks).fit(module, datamodule=data)
+    assert seen == [True]  # the cause of the warning was present while training
     assert not [w for w in record if "sync_dist=True" in str(w.message)]
     vllm_logger = logging.getLogger("vllm")  # only the root's file handlers (pytest's, here), no console
     root_files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
