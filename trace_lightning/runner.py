@@ -331,6 +331,25 @@ def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+@dataclass(frozen=True)
+class TurnMarkers:
+    """How a chat template opens and closes a turn, and what it calls the policy's role."""
+
+    start: str
+    end: str
+    assistant: str
+
+
+CHATML = TurnMarkers("<|im_start|>", "<|im_end|>", "assistant")  # Qwen, SmolLM2, the tiny model
+GEMMA_TURNS = TurnMarkers("<start_of_turn>", "<end_of_turn>", "model")  # models.GEMMA_TEMPLATE
+
+
+def turn_markers(tokenizer: Any) -> TurnMarkers:
+    """The markers the tokenizer's chat template writes: Gemma's turns where it uses them, else ChatML."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return GEMMA_TURNS if GEMMA_TURNS.start in template else CHATML
+
+
 def observation_ids(tokenizer: Any, observation: str, action_ids: list[int]) -> list[int]:
     """The environment's reply as a user turn, then the header of the next assistant turn.
 
@@ -340,10 +359,12 @@ def observation_ids(tokenizer: Any, observation: str, action_ids: list[int]) -> 
     The tokenizer splits text at special tokens before anything else, so for text without them
     these ids are the same as tokenising the whole turn in one call.
     """
+    marks = turn_markers(tokenizer)
     closed = bool(action_ids) and action_ids[-1] == tokenizer.eos_token_id
-    head = _markup(tokenizer, ("" if closed else "<|im_end|>") + "\n<|im_start|>")
+    head = _markup(tokenizer, ("" if closed else marks.end) + "\n" + marks.start)
     body = tokenizer(f"user\n{observation}", add_special_tokens=False, split_special_tokens=True)
-    return [*head, *body["input_ids"], *_markup(tokenizer, "<|im_end|>\n<|im_start|>assistant\n")]
+    tail = _markup(tokenizer, f"{marks.end}\n{marks.start}{marks.assistant}\n")
+    return [*head, *body["input_ids"], *tail]
 
 
 def _markup(tokenizer: Any, text: str) -> list[int]:
