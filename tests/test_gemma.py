@@ -168,7 +168,7 @@ def test_real_gemma3_converts_to_a_chat_model(tmp_path):
     except ModuleNotFoundError as err:
         pytest.skip(str(err))
     path = Path(prepare_gemma3(tmp_path / "gemma3"))
-    model, tok = tl_models.load_policy(path)
+    model, tok = tl_models.build_policy(path)
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == 268_098_176  # measured by this test's first run
     assert not (tmp_path / "gemma3-gguf").exists()  # the assembled GGUF is not kept
