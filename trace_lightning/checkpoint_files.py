@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,10 @@ def clean_stale_temps(directory: Path) -> list[Path]:
     for path in directory.glob(".*.tmp-*") if directory.is_dir() else []:
         match = _TMP.match(path.name)
         if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
-            path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():  # a sharded checkpoint's staging folder
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed
 

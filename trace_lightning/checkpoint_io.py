@@ -9,6 +9,7 @@ Load: `checkpoints.validate_checkpoint`, whatever `weights_only` Lightning asks 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from trace_lightning import checkpoint_shards
 from trace_lightning.checkpoint_files import (
     Manifest,
     clean_stale_temps,
@@ -59,10 +61,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         clean_stale_temps(path.parent)
-        checkpoint = {
-            **plain_state(checkpoint),
-            "trace_run": {"run": self.run, "fingerprint": self.fingerprint},
-        }
+        checkpoint = self.stamp(checkpoint)
         tmp = temp_path(path)
         try:
             with open(tmp, "wb") as f:
@@ -76,6 +75,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             tmp.unlink(missing_ok=True)
         # a crash here leaves a file without a matching digest: refused, and `last` takes the one before
         write_atomic(digest_path(path), f"{digest}\n".encode())
+        self._record(path)
+
+    def stamp(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The state as saved: plain values, and this run's id and config fingerprint."""
+        return {**plain_state(checkpoint), "trace_run": {"run": self.run, "fingerprint": self.fingerprint}}
+
+    def publish_folder(self, staging: Path, path: Path) -> None:
+        """A sharded checkpoint written to `staging` (sharding.FSDP2Strategy): checked as the loader
+        would check it, renamed to `path`, its files' digests written beside it, listed and pruned."""
+        checkpoint_shards.validate_folder(staging, check_digests=False, check_finite=False)
+        listing = checkpoint_shards.write_digests(staging)
+        _unlink_with_digest(path)  # a rewritten iteration replaces its folder
+        os.replace(staging, path)
+        write_atomic(digest_path(path), listing)
         self._record(path)
 
     def _record(self, path: Path) -> None:
@@ -122,7 +135,10 @@ def _refuse_unloadable(tmp: Path, path: Path) -> None:
 
 
 def _unlink_with_digest(path: Path) -> None:
-    path.unlink(missing_ok=True)
+    if path.is_dir() and not path.is_symlink():  # a sharded checkpoint
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
     digest_path(path).unlink(missing_ok=True)
 
 

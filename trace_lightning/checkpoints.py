@@ -29,7 +29,7 @@ from __future__ import annotations
 import pickletools
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import lightning as L
 import torch
@@ -63,6 +63,10 @@ class CheckpointError(RuntimeError):
 def validate_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint on the CPU after every check above, or raise `CheckpointError` naming the file."""
     path = Path(path)
+    if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): the same checks, file by file
+        from trace_lightning.checkpoint_shards import validate_folder
+
+        return validate_folder(path)
     if not path.is_file():
         raise CheckpointError(
             "missing", f"checkpoint {path} does not exist; pass ckpt_path=<a .ckpt file> or ckpt_path=last"
@@ -115,7 +119,7 @@ def _check_pickle(path: Path) -> None:
         )
 
 
-def refused_global(path: Path) -> str | None:
+def refused_global(path: Path | IO[bytes]) -> str | None:
     """The first import in the checkpoint's pickle that is not allow-listed, or None."""
     try:
         with zipfile.ZipFile(path) as archive:

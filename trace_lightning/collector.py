@@ -43,6 +43,7 @@ from trace_lightning.packing import budget_groups
 from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
+from trace_lightning.sharding import trainable_sum
 from trace_lightning.tree import RolloutTree, backup
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
@@ -141,7 +142,7 @@ class RolloutCollector:
                 f"sampling.temperature={self.sampling.temperature}: the importance ratio would compare "
                 "against another policy. Pass the same SamplingParams to both (the CLI does)."
             )
-        engine = self.engine_factory(model=module.policy, tokenizer=module.tokenizer)
+        engine = self.engine_factory(model=module.rollout_policy, tokenizer=module.tokenizer)
         self.runner = ReActRunner(engine, module.tokenizer, self.env, self.sampling, self.limits)
 
     def close(self) -> None:
@@ -256,6 +257,7 @@ class RolloutCollector:
         if self._engine_version == version:
             return 0.0
         start = time.perf_counter()
+        module.sync_rollout_policy()  # FSDP2: gather the full weights into the engine's unsharded copy
         engine.sync_weights()
         self._engine_version = version
         return time.perf_counter() - start
@@ -394,4 +396,4 @@ def _mean_max(gaps: np.ndarray) -> tuple[float, float]:
 
 def fingerprint(module: torch.nn.Module) -> float:
     """Sum of the trainable weights: cheap evidence of which weights produced a batch."""
-    return float(sum(p.detach().double().sum() for p in module.parameters() if p.requires_grad))
+    return trainable_sum(module)  # also over FSDP2 shards, the same number on every process

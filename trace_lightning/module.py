@@ -31,6 +31,7 @@ from trace_lightning.losses import (
 from trace_lightning.models import Policy
 from trace_lightning.packing import trained_logprobs, tree_mask_works
 from trace_lightning.predictor import PredictorSettings, SuccessHead, gather_positions
+from trace_lightning.sharding import RolloutCopy, all_finite, average_grads, clip_grad_norm, shard_policy
 from trace_lightning.tree import RolloutTree
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -91,6 +92,30 @@ class TraceModule(L.LightningModule):
         self.head = head if head is not None else predictor.build_head(backbone.config.hidden_size)
         self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
         self._tree_mask_ok: dict[int, bool] = {}  # id(model) -> it takes packed batches (packing.py)
+        self._rollout: RolloutCopy | None = None  # the unsharded copy under FSDP2 (rollout_policy)
+        self._sharded = False  # configure_model has sharded the policy
+
+    def configure_model(self) -> None:
+        """Under trainer=fsdp2 (Lightning's ModelParallelStrategy gives a device mesh): shard the policy's
+        decoder layers and keep an unsharded copy for rollouts (sharding.py). Otherwise nothing."""
+        if self.device_mesh is None or self._sharded:  # Lightning may call it again
+            return
+        shard_policy(self.policy, self.device_mesh["data_parallel"], self.rollout_policy)
+        self._sharded = True
+
+    @property
+    def rollout_policy(self) -> torch.nn.Module:
+        """What the engine samples with and the predictor scores with: the policy, or under FSDP2 its
+        unsharded copy, made on first use (the DataModule's setup starts the engine before
+        configure_model runs, but after the strategy has set the device mesh)."""
+        if self.device_mesh is not None and self._rollout is None and not self._sharded:
+            self._rollout = RolloutCopy.of(self.policy)
+        return self.policy if self._rollout is None else self._rollout.module
+
+    def sync_rollout_policy(self) -> None:
+        """Refresh the FSDP2 rollout copy from the gathered weights (a collective); else nothing to do."""
+        if self._rollout is not None:
+            self._rollout.refresh(self.policy, self.device)
 
     def _companion(self, companion: Policy) -> torch.nn.Module:
         if companion.tokenizer.get_vocab() != self.tokenizer.get_vocab():
@@ -106,7 +131,7 @@ class TraceModule(L.LightningModule):
         """Last hidden states the head reads [B, T, H]: the policy's, or the companion's."""
         if self.companion is None and policy_hidden is not None:
             return policy_hidden
-        model = self.companion if self.companion is not None else self.policy
+        model = self.companion if self.companion is not None else self.rollout_policy
         with torch.no_grad():
             # logits_to_keep=1: the head reads hidden states only; full-vocabulary logits would be wasted
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
@@ -128,7 +153,7 @@ class TraceModule(L.LightningModule):
             ids, mask = right_pad(seqs, pad)
             hidden = self._predictor_hidden(ids.to(self.device), mask.to(self.device), None)
             return hidden, 0, torch.zeros(hidden.shape[-1], device=self.device)
-        model = self.companion if self.companion is not None else self.policy
+        model = self.companion if self.companion is not None else self.rollout_policy
         with torch.no_grad():
             prefix = torch.tensor([seqs[0][:shared]], device=self.device)
             cache, first = prefill(model, prefix, hidden_states=True)
@@ -178,7 +203,10 @@ class TraceModule(L.LightningModule):
     def _takes_tree_mask(self, model: torch.nn.Module) -> bool:
         """Checked once per model (policy, reference), and logged once where it fails."""
         if id(model) not in self._tree_mask_ok:
-            self._tree_mask_ok[id(model)] = tree_mask_works(model)
+            # Under FSDP2 the probe runs on the unsharded copy (same architecture): a sharded forward is a
+            # collective, and a process whose first micro-batch is an idle one would not join it.
+            probe = self.rollout_policy if model is self.policy else model
+            self._tree_mask_ok[id(model)] = tree_mask_works(probe)
         return self._tree_mask_ok[id(model)]
 
     @torch.no_grad()
@@ -304,8 +332,13 @@ class TraceModule(L.LightningModule):
         Every grad is set to None rather than zero: AdamW skips parameters without a grad, so neither
         the weights, nor their moments, nor weight decay move. Runs before gradient clipping.
         """
+        if self._rollout is not None:  # FSDP2 reduces the sharded policy's gradients, not the head's
+            average_grads(list(self.head.parameters()))
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        if self._rollout is not None:
+            finite = all_finite(grads, self.device)
+        else:
+            finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         self.log("train/skipped_nonfinite_grad", float(not finite))
         if not finite:
             optimizer.zero_grad(set_to_none=True)
@@ -323,6 +356,25 @@ class TraceModule(L.LightningModule):
                 "resumed from (ckpt_path), or fp16 overflow (trainer.precision: use bf16-mixed or 32-true). "
                 f"The limit is module.max_skipped_steps={limit}."
             )
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, except under FSDP2: torch's clip_grad_norm_ cannot mix the sharded
+        policy's gradients with the replicated head's, so the norm is taken in sharding.clip_grad_norm."""
+        if self._rollout is None or not gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"trainer.gradient_clip_algorithm={gradient_clip_algorithm!r}: trainer=fsdp2 clips by norm "
+                "only; set trainer.gradient_clip_algorithm=norm"
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm(params, float(gradient_clip_val), self.device)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
