@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor
 from trace_lightning.checkpoint_files import clean_stale_temps, temp_path
 from trace_lightning.checkpoint_io import AtomicCheckpointIO
 
+RANK_STATES = "trace_rank_datamodule"  # checkpoint key: each process's DataModule state, by rank
+
 
 class FSDP2Strategy(ModelParallelStrategy):
     """`ModelParallelStrategy` as pure data-parallel sharding over `devices * num_nodes` processes.
@@ -65,7 +67,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             path.parent.mkdir(parents=True, exist_ok=True)
             clean_stale_temps(path.parent)
         self.barrier()
-        super().save_checkpoint(io.stamp(checkpoint), staging, storage_options)
+        super().save_checkpoint(io.stamp(self._with_rank_states(checkpoint)), staging, storage_options)
         self.barrier()  # every rank's shards are on disk before rank 0 checks and publishes the folder
         if self.is_global_zero:
             io.publish_folder(staging, path)
@@ -77,7 +79,26 @@ class FSDP2Strategy(ModelParallelStrategy):
                 checkpoint_path
             )  # validated (or the build's validation reused)
         # weights_only: meta.pt holds plain state only (AtomicCheckpointIO.stamp), checked above
-        return super().load_checkpoint(checkpoint_path, weights_only=True)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
+        states, key = checkpoint.pop(RANK_STATES, None), self._datamodule_key()
+        if states is not None and key is not None and len(states) == self.world_size:
+            checkpoint[key] = states[self.global_rank]  # else (another process count) rank 0's, as DDP
+        return checkpoint
+
+    def _datamodule_key(self) -> str | None:
+        """Where Lightning keeps the DataModule's state in a checkpoint: its class name."""
+        datamodule = self.lightning_module.trainer.datamodule if self.lightning_module is not None else None
+        return None if datamodule is None else type(datamodule).__qualname__
+
+    def _with_rank_states(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Every process's DataModule state beside rank 0's: the torch RNG each samples with has drawn a
+        different number of tokens, so a resume that gave all of them rank 0's would not be exact."""
+        key = self._datamodule_key()
+        if key is None or key not in checkpoint:
+            return checkpoint
+        states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(states, checkpoint[key])
+        return {**checkpoint, RANK_STATES: states}
 
 
 def fsdp2_strategy(devices: int, num_nodes: int = 1) -> FSDP2Strategy:
