@@ -152,6 +152,6 @@ def test_fsdp2_needs_a_process_count(tmp_path):
     config.register()
     with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
         cfg = compose("train", ["trainer=fsdp2", "trainer.devices=auto", f"run_dir={tmp_path}"])
-    with pytest.raises(InstantiationException, match="trainer.devices='auto'"):
+    with pytest.raises(InstantiationException, match="trainer.devices='auto'"):  # named, with the fix
         instantiate(cfg.trainer.strategy)
     assert cli.config_fingerprint(cfg)  # the group composes with the rest of the config

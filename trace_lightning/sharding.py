@@ -74,10 +74,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(self.checkpoint_io, AtomicCheckpointIO):
-            self.checkpoint_io.load_checkpoint(
-                checkpoint_path
-            )  # validated (or the build's validation reused)
+        if isinstance(self.checkpoint_io, AtomicCheckpointIO):  # validated (or the build's check reused)
+            self.checkpoint_io.load_checkpoint(checkpoint_path)
         # weights_only: meta.pt holds plain state only (AtomicCheckpointIO.stamp), checked above
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
         states, key = checkpoint.pop(RANK_STATES, None), self._datamodule_key()
@@ -99,11 +97,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         states: list[Any] = [None] * self.world_size
         dist.all_gather_object(states, checkpoint[key])
         return {**checkpoint, RANK_STATES: states}
-
-
-def fsdp2_strategy(devices: int, num_nodes: int = 1) -> FSDP2Strategy:
-    """The Hydra target of conf/trainer/fsdp2.yaml (its `strategy:` node)."""
-    return FSDP2Strategy(devices, num_nodes)
 
 
 @dataclass
