@@ -3,16 +3,17 @@
 Lightning's `ModelParallelStrategy` runs the process group (gloo on CPU, NCCL on GPUs) and calls
 `TraceModule.configure_model`, which calls `shard_policy` here: `fully_shard` on every decoder layer,
 then on the policy itself (embeddings, final norm, LM head). The success head stays a plain replicated
-module, since the predictor refit (data.py) trains it identically on every process outside the
+module, since the predictor refit (collector.py) trains it identically on every process outside the
 optimizer; its gradients from the joint loss are averaged here (`average_grads`).
 
 Rollouts cannot run through the sharded policy: each process rolls out its own prompts for its own
 number of turns, and every forward of a sharded module is a collective (an all-gather per layer), so
-the processes would wait on each other forever. `shard_policy` therefore keeps an unsharded copy,
-`RolloutCopy`, that the engine samples with and the predictor scores with; before each iteration's
-sampling it is refreshed from the gathered full state (only the adapter with LoRA). The old
+the processes would wait on each other forever. TraceModule therefore keeps an unsharded copy,
+`RolloutCopy` (made before sharding), that the engine samples with and the predictor scores with;
+before each iteration's sampling it is refreshed from the gathered full state (only the adapter with
+LoRA). The old
 log-probs and the training step use the sharded policy, on the same number of micro-batches
-everywhere (data.py pads with idle batches).
+everywhere (collector.py pads with idle batches).
 """
 
 from __future__ import annotations
