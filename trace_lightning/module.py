@@ -370,8 +370,8 @@ class TraceModule(L.LightningModule):
             return
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(
-                f"trainer.gradient_clip_algorithm={gradient_clip_algorithm!r}: trainer=fsdp2 clips by norm "
-                "only; set trainer.gradient_clip_algorithm=norm"
+                f"gradient clipping by {gradient_clip_algorithm!r}: trainer=fsdp2 clips by norm only "
+                "(trainer.gradient_clip_val); leave the Trainer's gradient_clip_algorithm at norm"
             )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grad_norm(params, float(gradient_clip_val), self.device)
