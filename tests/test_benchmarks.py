@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,26 @@ def test_real_learning_quick_mode(tmp_path):
         leaves = sum(r["leaves"] for r in run["iterations"])
         mixed = sum(r["prefix_mixed_per_100"] * r["leaves"] / 100 for r in run["iterations"])
         assert abs(s["prefix_mixed_per_100"] - 100 * mixed / leaves) < 1e-9
+
+
+@pytest.mark.slow
+def test_real_learning_smollm2_smallest(tmp_path):
+    """SmolLM2 + LoRA on search_qa through the product's loop at the smallest sizes: one iteration per
+    method, 2 held-out tasks. SmolLM2 as shipped, so that the test needs no warm start built first."""
+    out = tmp_path / "real_learning.json"
+    subprocess.run(
+        [
+            *(sys.executable, "benchmarks/real_learning.py", "--warm-start", "none", "--iterations", "1"),
+            *("--held-out", "2", "--eval-samples", "1", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    for name, s in result["results"].items():
+        assert s["leaves_per_iteration"] == [12]  # the default job's budget, every method
+        rows = result["runs"][name]["iterations"]
+        assert not set(result["config"]["held_out_tasks"]) & set(rows[0]["task_ids"])
