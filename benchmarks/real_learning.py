@@ -41,7 +41,6 @@ from trace_lightning import config
 from trace_lightning import warmstart as ws
 from trace_lightning.allocation import Budget, BudgetLedger
 from trace_lightning.callbacks import rollout_metrics
-from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch
 from trace_lightning.module import TraceModule
@@ -146,15 +145,13 @@ class Recorder(L.Callback):
 
 
 def held_out_success(
-    module: TraceModule, env: Any, cfg: DictConfig, samples: int, seed: int
+    module: TraceModule, env: Any, collector: Any, samples: int, seed: int
 ) -> dict[str, Any]:
-    """`samples` episodes per held-out task with the run's sampling settings and a torch seed of its own
-    (the caller's RNG state is restored), so that before and after differ only through the policy."""
-    d, s = cfg.data, cfg.sampling
+    """`samples` episodes per held-out task with the run's own sampling settings and episode limits (the
+    collector's) and a torch seed of its own (the caller's RNG state is restored), so that before and
+    after differ only through the policy."""
     engine = HFEngine(module.policy, module.tokenizer, max_batch_size=32)
-    limits = (d.max_turns, d.max_episode_tokens, d.step_timeout, d.max_observation_chars)
-    sampling = SamplingParams(s.max_new_tokens, s.temperature, s.top_p)
-    runner = ReActRunner(engine, module.tokenizer, env, sampling, *limits)
+    runner = ReActRunner(engine, module.tokenizer, env, collector.sampling, collector.limits)
     trees = [runner.new_tree(t) for t in sorted(runner.tasks)]
     ledger = BudgetLedger(Budget(len(trees) * samples))
     ledger.reserve_leaves(len(trees) * samples, "bare")
@@ -184,18 +181,19 @@ def run_method(name: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     held-out tasks taken out of the training environment; held-out success before and after."""
     cfg = compose_config(args, name, f"{tmp}/{name}")
     module, data, trainer = build(cfg)
-    env = data.env
+    collector = data.collector  # it builds its runner from `env` when the fit starts
+    env = collector.env
     train_ids, held_ids = split_tasks(env, args.held_out, args.seed)
-    data.env, held_env = TaskSubset(env, train_ids), TaskSubset(env, held_ids)
+    collector.env, held_env = TaskSubset(env, train_ids), TaskSubset(env, held_ids)
     start = trainable_sum(module)
-    before = held_out_success(module, held_env, cfg, args.eval_samples, args.seed)
+    before = held_out_success(module, held_env, collector, args.eval_samples, args.seed)
     print(f"  held-out success before: {before['success']:.3f} +-{before['stderr']:.3f}", flush=True)
     recorder = Recorder()
     trainer.callbacks.append(recorder)
     clock = time.perf_counter()
     trainer.fit(module, datamodule=data)
     fit_seconds = time.perf_counter() - clock
-    after = held_out_success(module, held_env, cfg, args.eval_samples, args.seed)
+    after = held_out_success(module, held_env, collector, args.eval_samples, args.seed)
     print(f"  held-out success after: {after['success']:.3f} +-{after['stderr']:.3f}", flush=True)
     return {
         "iterations": recorder.rows,
