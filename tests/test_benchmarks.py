@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,3 +27,67 @@ def test_allocation_benchmark_quick_mode(tmp_path):
         assert r["leaves_per_iter"] == result["config"]["leaves"]
         assert 0.0 <= r["effective_ratio"] <= 1.0
         assert 0.0 <= r["mixed_prompts_per_iter"] <= r["prompts_per_iter"]
+
+
+def test_real_learning_quick_mode(tmp_path):
+    """The real-model learning benchmark through the product's loop (tiny model on chain): equal
+    leaves, held-out tasks never trained on, the issue's figures present and consistent with the rows."""
+    out = tmp_path / "real_learning.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/real_learning.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "held-out before" in proc.stdout
+    result = json.loads(out.read_text())
+    config, held_out = result["config"], set(result["config"]["held_out_tasks"])
+    assert len(held_out) == config["held_out"] and config["train_tasks"] == 256 - config["held_out"]
+    assert set(result["results"]) == {"trace", "uniform"}
+    for name, s in result["results"].items():
+        run = result["runs"][name]
+        figures = {
+            "mean_turns",
+            "prefix_mixed_per_100",
+            "effective_ratio",
+            "heldout_delta",
+            "heldout_delta_se",
+        }
+        assert figures <= set(s)
+        assert s["leaves_per_iteration"] == [config["leaves"]] * config["iterations"]
+        for row in run["iterations"]:
+            assert not held_out & set(row["task_ids"])  # held-out tasks are never sampled for training
+            assert 1.0 <= row["turns_mean"] <= 3.0 and row["loss"] is not None
+        # the held-out gain is the mean of the per-task differences, after minus before
+        before, after = run["held_out_before"]["per_task"], run["held_out_after"]["per_task"]
+        assert len(before) == config["held_out"] * 1 and set(run["held_out_before"]["task_ids"]) == held_out
+        assert abs(s["heldout_delta"] - (sum(after) - sum(before)) / len(before)) < 1e-9
+        assert s["heldout_before"] == result["results"]["uniform"]["heldout_before"]  # the same start
+        leaves = sum(r["leaves"] for r in run["iterations"])
+        mixed = sum(r["prefix_mixed_per_100"] * r["leaves"] / 100 for r in run["iterations"])
+        assert abs(s["prefix_mixed_per_100"] - 100 * mixed / leaves) < 1e-9
+
+
+@pytest.mark.slow
+def test_real_learning_smollm2_smallest(tmp_path):
+    """SmolLM2 + LoRA on search_qa through the product's loop at the smallest sizes: one iteration per
+    method, 2 held-out tasks. SmolLM2 as shipped, so that the test needs no warm start built first."""
+    out = tmp_path / "real_learning.json"
+    subprocess.run(
+        [
+            *(sys.executable, "benchmarks/real_learning.py", "--warm-start", "none", "--iterations", "1"),
+            *("--held-out", "2", "--eval-samples", "1", "--out", str(out)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    for name, s in result["results"].items():
+        assert s["leaves_per_iteration"] == [12]  # the default job's budget, every method
+        rows = result["runs"][name]["iterations"]
+        assert not set(result["config"]["held_out_tasks"]) & set(rows[0]["task_ids"])
