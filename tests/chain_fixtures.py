@@ -50,14 +50,14 @@ def make_module(
     )
 
 
-def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, sampling=SAMPLING, **kw):
+def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, sampling=SAMPLING, held_out=0, **kw):
     return RolloutDataModule(
         env=ChainEnv(n_tasks=24, turns=3, seed=0),
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
         sampling=sampling,
         budget=Budget(leaves, max_tokens),
-        settings=DATA,
+        settings=dataclasses.replace(DATA, held_out=held_out),
         **kw,
     )
 

@@ -102,3 +102,50 @@ def test_engine_auto_falls_back_to_transformers_without_vllm(tiny_policy, monkey
     assert isinstance(engine, HFEngine) and not picked
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     assert auto_engine(model, tokenizer, vllm=lambda **kw: "vllm engine") == "vllm engine"
+
+
+# --------------------------------------------------------------------------- held-out evaluation
+
+
+def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouched(tiny_model_dir):
+    """Two identical runs, one evaluated between its iterations: the same trees, the same reports."""
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    evaluated, plain = make_data(held_out=6), make_data(held_out=6)
+    held = set(evaluated.collector.held_out)
+    assert len(held) == 6 and held == set(plain.collector.held_out)
+    for _ in range(2):
+        result = evaluated.collector.evaluate(module, samples=2, seed=5)
+        assert result.episodes == 12 and 0.0 <= result.success <= 1.0 and result.turns >= 1
+        a, b = evaluated.build_iteration(module), plain.build_iteration(module)
+        ta, tb = evaluated.report.result.trees, plain.report.result.trees
+        assert [t.task_id for t in ta] == [t.task_id for t in tb] and not held & {t.task_id for t in ta}
+        assert [t.token_ids(x) for t in ta for x in t.leaves()] == [
+            t.token_ids(x) for t in tb for x in t.leaves()
+        ]
+        assert evaluated.report.counters == plain.report.counters
+        assert len(a) == len(b)
+    # the same seed, the same policy: the same evaluation
+    assert evaluated.collector.evaluate(module, 2, 5) == evaluated.collector.evaluate(module, 2, 5)
+    assert make_data().collector.evaluate(module, 2, 5) is None  # nothing held out
+
+
+def test_held_out_success_draws_the_curve_before_training_and_every_k_iterations(tiny_model_dir):
+    from chain_fixtures import fit
+
+    from trace_lightning.callbacks import HeldOutSuccess
+
+    torch.manual_seed(0)
+    curve = HeldOutSuccess(every_n_epochs=2, samples=1)
+    fit(make_module(tiny_model_dir), make_data(held_out=4), epochs=3, callbacks=[curve])
+    assert [trained for trained, _ in curve.history] == [0, 2, 3]  # before, every 2, and the last
+    assert all(r.episodes == 4 for _, r in curve.history)
+    with pytest.raises(ValueError, match="callbacks.held_out.samples"):
+        HeldOutSuccess(samples=0)
+
+
+def test_held_out_count_is_checked_against_the_tasks():
+    with pytest.raises(ValueError, match="data.held_out=24"):
+        make_data(held_out=24)
+    with pytest.raises(ValueError, match="data.pool_size=8 must be in"):
+        make_data(held_out=20)  # 4 tasks left for a pool of 8

@@ -74,6 +74,13 @@ def test_a_long_run_summary_stays_one_screen():
     assert summary_text(FitSummary((), 3.0)) == "TRACE summary: no iteration finished (3.0 s)."
 
 
+def test_the_summary_ends_with_the_held_out_learning_curve():
+    its = (row(0, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0),)
+    lines = summary_text(FitSummary(its, 10.0, ((0, 0.25), (2, 0.5)))).splitlines()
+    assert lines[-1] == "held-out success (eval/success): 0.25 after 0, 0.50 after 2"
+    assert "held-out" not in summary_text(FitSummary(its, 10.0))  # no held-out tasks, no line
+
+
 def fit_two_iterations(tiny_model_dir, callbacks, progress_bar=False):
     torch.manual_seed(0)
     module = trace_module(tiny_model_dir, torch.optim.AdamW)

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
 from trace_lightning.allocation import BudgetLedger
-from trace_lightning.collector import IterationReport
+from trace_lightning.collector import HeldOutResult, IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.plots import draw_tree
 from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
@@ -171,6 +171,54 @@ class RolloutStats(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.leaves_cum, self.tokens_cum = int(state_dict["leaves_cum"]), int(state_dict["tokens_cum"])
         self.last_iteration = int(state_dict["last_iteration"])
+
+
+# --------------------------------------------------------------------------- held-out learning curve
+
+
+class HeldOutSuccess(Callback):
+    """The learning curve: success on the `data.held_out` tasks, which are never drawn into a pool,
+    before training and after every `every_n_epochs` iterations (and the last), `samples` episodes each
+    with the same seed every time. Logs `eval/success`, `eval/reward` and `eval/turns` at the global
+    step; `history` keeps (iterations trained, result) for the console summary.
+
+    Per-iteration `rollout/success_rate` is no learning curve: it follows which prompts Stage 1 picked
+    (TRACE picks those likely to have mixed outcomes). This measures one fixed set."""
+
+    def __init__(self, every_n_epochs: int = 2, samples: int = 2, seed: int = 1_000_003) -> None:
+        if every_n_epochs < 1 or samples < 1:
+            raise ValueError(
+                f"callbacks.held_out.every_n_epochs={every_n_epochs} and "
+                f"callbacks.held_out.samples={samples} must be >= 1"
+            )
+        self.every_n_epochs, self.samples, self.seed = every_n_epochs, samples, seed
+        self.history: list[tuple[int, HeldOutResult]] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluate(trainer, pl_module, trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trained = trainer.current_epoch + 1
+        last = trainer.max_epochs is not None and trained >= trainer.max_epochs
+        if trained % self.every_n_epochs == 0 or last:
+            self._evaluate(trainer, pl_module, trained)
+
+    def _evaluate(self, trainer: Trainer, pl_module: LightningModule, trained: int) -> None:
+        collector = getattr(_datamodule(trainer), "collector", None)
+        if collector is None or (self.history and self.history[-1][0] == trained):
+            return
+        result = collector.evaluate(pl_module, self.samples, self.seed)
+        if result is None:  # data.held_out=0: nothing to evaluate on
+            return
+        self.history.append((trained, result))
+        metrics = {
+            "eval/success": result.success,
+            "eval/reward": result.reward,
+            "eval/turns": result.turns,
+            "eval/iterations_trained": float(trained),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 # --------------------------------------------------------------------------- predictor calibration

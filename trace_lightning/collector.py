@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
+from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
 from trace_lightning.batching import (
     Estimator,
     LeafSequence,
@@ -37,14 +37,14 @@ from trace_lightning.batching import (
 )
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams
-from trace_lightning.envs.base import Environment
-from trace_lightning.iteration import Iteration, build_trees
+from trace_lightning.envs.base import Environment, split_tasks
+from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.packing import budget_groups
 from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
 from trace_lightning.sharding import trainable_sum
-from trace_lightning.tree import RolloutTree, backup
+from trace_lightning.tree import SUCCESS, RolloutTree, backup
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
 # display (console.IterationProgress) shows the same counts as they happen.
@@ -76,6 +76,16 @@ class IterationReport:
 
 
 @dataclass(frozen=True)
+class HeldOutResult:
+    """The current policy on the held-out tasks (`RolloutCollector.evaluate`)."""
+
+    success: float  # share of episodes with reward >= tree.SUCCESS
+    reward: float  # mean episode reward
+    turns: float  # mean policy turns per episode
+    episodes: int
+
+
+@dataclass(frozen=True)
 class Batching:
     """How the sampled trees become micro-batches (the `data` group's batching keys)."""
 
@@ -102,6 +112,7 @@ class RolloutCollector:
         sampling: SamplingParams,
         budget: Budget,
         pool_size: int,
+        held_out: int,
         limits: EpisodeLimits,
         batching: Batching,
         cold_start: BetaPrior,
@@ -110,11 +121,19 @@ class RolloutCollector:
         seed: int,
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
-        n_tasks = len(env.tasks())
-        if not 1 <= pool_size <= n_tasks:
+        ids = [t.task_id for t in env.tasks()]
+        if not 0 <= held_out < len(ids):
             raise ValueError(
-                f"data.pool_size={pool_size} must be in [1, {n_tasks}]: env {env.name} has {n_tasks} tasks"
+                f"data.held_out={held_out} must be in [0, {len(ids) - 1}]: env {env.name} has {len(ids)} "
+                "tasks"
             )
+        train_ids, held = split_tasks(ids, held_out, seed)
+        if not 1 <= pool_size <= len(train_ids):
+            raise ValueError(
+                f"data.pool_size={pool_size} must be in [1, {len(train_ids)}]: env {env.name} has "
+                f"{len(ids)} tasks, data.held_out={held_out} of them held out"
+            )
+        self.train_ids, self.held_out = sorted(train_ids), sorted(held)
         self.env, self.allocator, self.engine_factory, self.sampling = env, allocator, engine, sampling
         self.budget, self.pool_size, self.limits, self.batching = budget, pool_size, limits, batching
         self.prior, self.selection, self.predictor_fit = cold_start, selection, predictor_fit
@@ -160,8 +179,7 @@ class RolloutCollector:
         runner = self.runner
         assert runner is not None
         runner.counters, runner.on_episode_end = RolloutCounters(), self.on_episode_end
-        tasks = sorted(runner.tasks)
-        pool_ids = self.selection.draw_pool(tasks, self.pool_size, self.iteration, self.rng)
+        pool_ids = self.selection.draw_pool(self.train_ids, self.pool_size, self.iteration, self.rng)
         pool = [runner.new_tree(t) for t in pool_ids]
         used_prior = self.prior.active(self.iteration)
         score = _RecordingScorer(module, self.prior, used_prior)
@@ -221,6 +239,40 @@ class RolloutCollector:
         )
         self.iteration += 1
         return batches
+
+    def evaluate(self, module: Any, samples: int, seed: int) -> HeldOutResult | None:
+        """`samples` episodes of every held-out task with the current policy (None: none held out).
+
+        The training streams are left exactly as they were: the torch RNG is saved and restored around
+        a seeded draw of its own, and the runner's counters and the engine's stats are put back, so an
+        evaluation changes neither what the next iteration samples nor what it reports."""
+        if not self.held_out:
+            return None
+        self.start(module)
+        runner = self.runner
+        assert runner is not None
+        self._sync_engine(runner.engine, module)
+        trees = [runner.new_tree(t) for t in self.held_out]
+        n = len(trees) * samples
+        ledger = BudgetLedger(Budget(n))
+        ledger.reserve_leaves(n, "bare")
+        saved = (torch.get_rng_state(), runner.counters, runner.on_episode_end, runner.engine.stats)
+        runner.counters, runner.on_episode_end, runner.engine.stats = RolloutCounters(), None, EngineStats()
+        torch.manual_seed(seed)
+        try:
+            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
+        finally:
+            torch.set_rng_state(saved[0])
+            runner.counters, runner.on_episode_end, runner.engine.stats = saved[1:]
+        if hasattr(runner.engine, "sleep"):
+            runner.engine.sleep()
+        leaves = [t.nodes[x] for t in trees for x in t.leaves()]
+        return HeldOutResult(
+            success=float(np.mean([float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves])),
+            reward=float(np.mean([float(leaf.reward or 0.0) for leaf in leaves])),
+            turns=float(np.mean([leaf.depth for leaf in leaves])),
+            episodes=len(leaves),
+        )
 
     def _refit(
         self,

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
 
+from trace_lightning.callbacks import HeldOutSuccess
 from trace_lightning.collector import IterationReport
 from trace_lightning.tree import SUCCESS, tree_stats
 
@@ -69,6 +70,7 @@ class IterationSummary:
 class FitSummary:
     iterations: tuple[IterationSummary, ...]
     wall_seconds: float  # the whole fit, set-up included
+    held_out: tuple[tuple[int, float], ...] = ()  # (iterations trained, held-out success), the curve
 
 
 def iteration_summary(report: IterationReport, train_seconds: float) -> IterationSummary:
@@ -119,8 +121,17 @@ def summary_text(summary: FitSummary) -> str:
             f"{tokens:,} generated tokens",
             f"time: sampling {_duration(sample)}, weight sync {_duration(sync)}, training "
             f"{_duration(train)}, other {_duration(other)}",
+            *_held_out_line(summary.held_out),
         ]
     )
+
+
+def _held_out_line(curve: tuple[tuple[int, float], ...]) -> list[str]:
+    """The learning curve in one line: held-out success after 0, k, 2k, ... iterations."""
+    if not curve:
+        return []
+    points = ", ".join(f"{success:.2f} after {trained}" for trained, success in curve)
+    return [f"held-out success (eval/success): {points}"]
 
 
 _PHASES = ("sample_seconds", "sync_seconds", "train_seconds")
@@ -171,12 +182,14 @@ class RunSummary(Callback):
         if self._report is not None:
             self.rows.append(iteration_summary(self._report, time.perf_counter() - self._epoch_start))
 
-    def summary(self) -> FitSummary:
-        return FitSummary(tuple(self.rows), time.perf_counter() - self._fit_start)
+    def summary(self, held_out: tuple[tuple[int, float], ...] = ()) -> FitSummary:
+        return FitSummary(tuple(self.rows), time.perf_counter() - self._fit_start, held_out)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
-            print("\n" + summary_text(self.summary()))
+            curves = [c.history for c in trainer.callbacks if isinstance(c, HeldOutSuccess)]  # type: ignore[attr-defined]
+            held_out = tuple((trained, r.success) for trained, r in curves[0]) if curves else ()
+            print("\n" + summary_text(self.summary(held_out)))
 
 
 # --------------------------------------------------------------------------- the progress bar

@@ -36,11 +36,16 @@ class DataSettings(EpisodeLimits):
     pool_size: int = 12  # candidate prompts scored per iteration
     micro_batch_size: int = 4  # leaf sequences per micro-batch, used only when micro_batch_tokens is null
     micro_batch_tokens: int | None = 2048  # packed tokens per micro-batch (shared tokens once)
+    # Tasks set aside (envs.base.split_tasks with the run's seed, the warm start's rule): never drawn
+    # into the pool; callbacks.HeldOutSuccess plays them to draw the learning curve. 0: none.
+    held_out: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pool_size < 1:
-            raise ValueError(f"data.pool_size={self.pool_size} must be >= 1")
+        if self.pool_size < 1 or self.held_out < 0:
+            raise ValueError(
+                f"data.pool_size={self.pool_size} must be >= 1 and data.held_out={self.held_out} >= 0"
+            )
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -66,6 +71,7 @@ class RolloutDataModule(L.LightningDataModule):
             sampling,
             budget,
             settings.pool_size,
+            settings.held_out,
             settings.limits(),
             Batching(settings.micro_batch_size, settings.micro_batch_tokens, estimator),
             cold_start if cold_start is not None else BetaPrior(warmup=0),

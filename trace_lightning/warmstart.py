@@ -24,7 +24,6 @@ from typing import Any
 
 import hydra
 import lightning as L
-import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -32,21 +31,12 @@ from torch.utils.data import DataLoader
 
 from trace_lightning import config
 from trace_lightning.demos import Demonstration, demonstrations
+from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
 from trace_lightning.runner import observation_ids, prompt_ids
 
 MARKER = "warm_start.json"  # written last into the folder: what was trained, on what
 IGNORE = -100  # label of a token the loss skips (prompt, observation, padding)
-
-
-def split_tasks(task_ids: Sequence[int], held_out: int, seed: int) -> tuple[set[int], set[int]]:
-    """(training ids, held-out ids): a seeded permutation, the first `held_out` held out. The same
-    rule as `benchmarks/real_learning.py`, so both hold out the same tasks for the same seed."""
-    ids = np.array(sorted(task_ids))
-    if not 0 <= held_out < len(ids):
-        raise ValueError(f"held_out={held_out} must be between 0 and {len(ids) - 1} ({len(ids)} tasks)")
-    perm = np.random.default_rng(seed + 7).permutation(ids)
-    return {int(i) for i in perm[held_out:]}, {int(i) for i in perm[:held_out]}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Task:
@@ -46,3 +48,14 @@ class Environment(Protocol):
     def initial_state(self, task: Task) -> Any: ...
 
     def step(self, task: Task, state: Any, action_text: str) -> Transition: ...
+
+
+def split_tasks(task_ids: Sequence[int], held_out: int, seed: int) -> tuple[set[int], set[int]]:
+    """(training ids, held-out ids): a seeded permutation, the first `held_out` held out. The warm start,
+    the trainer (`data.held_out`) and `benchmarks/real_learning.py` all use it, so for the same seed and
+    count they hold out the same tasks."""
+    ids = np.array(sorted(task_ids))
+    if not 0 <= held_out < len(ids):
+        raise ValueError(f"held_out={held_out} must be between 0 and {len(ids) - 1} ({len(ids)} tasks)")
+    perm = np.random.default_rng(seed + 7).permutation(ids)
+    return {int(i) for i in perm[held_out:]}, {int(i) for i in perm[:held_out]}
