@@ -84,6 +84,7 @@ def overrides(args: argparse.Namespace, allocator: str, run_dir: str) -> list[st
         "++trainer.enable_checkpointing=false",
         f"budget.leaves={args.leaves}",
         f"data.pool_size={args.pool}",
+        f"data.held_out={args.held_out}",  # the collector's split: the same seeded rule as split_tasks below
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"data.max_episode_tokens={args.max_episode_tokens}",
     ]
