@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -100,34 +100,38 @@ def _from_leaves(
     return _per_tree(trees, offsets, flat)
 
 
+class _PromptGroup:
+    """A leaf-level estimator over each prompt's leaves: `leaf_fn(rewards [L], groups [L]) -> [L]`."""
+
+    name: ClassVar[str]
+    leaf_fn: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _from_leaves(trees, lambda r, groups, _: type(self).leaf_fn(r, groups))
+
+
 @dataclass(frozen=True)
-class GRPO:
+class GRPO(_PromptGroup):
     """Leaf reward standardised within its prompt's leaves (`advantages.grpo`)."""
 
     name = "grpo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, _: adv.grpo(r, groups))
+    leaf_fn = staticmethod(adv.grpo)
 
 
 @dataclass(frozen=True)
-class DrGRPO:
+class DrGRPO(_PromptGroup):
     """Leaf reward centred within its prompt's leaves, no std division (`advantages.dr_grpo`)."""
 
     name = "dr_grpo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, _: adv.dr_grpo(r, groups))
+    leaf_fn = staticmethod(adv.dr_grpo)
 
 
 @dataclass(frozen=True)
-class RLOO:
+class RLOO(_PromptGroup):
     """Leaf reward minus the mean of its prompt's other leaves (`advantages.rloo`)."""
 
     name = "rloo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, _: adv.rloo(r, groups))
+    leaf_fn = staticmethod(adv.rloo)
 
 
 @dataclass(frozen=True)
