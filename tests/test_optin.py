@@ -22,9 +22,9 @@ def _marks(decorators: list[ast.expr]) -> set[str]:
     names = set()
     for node in decorators:
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute):
-                if sub.value.attr == "mark":
-                    names.add(sub.attr)
+            mark = isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute)
+            if mark and sub.value.attr == "mark":
+                names.add(sub.attr)
     return names
 
 
@@ -44,7 +44,8 @@ def _inside_raises(func: ast.AST, source: str, trigger: str) -> bool:
         if isinstance(node, ast.With)
         and any("raises" in (ast.get_source_segment(source, i.context_expr) or "") for i in node.items)
     ]
-    return (ast.get_source_segment(source, func) or "").count(trigger) == sum(b.count(trigger) for b in blocks)
+    inside = sum(b.count(trigger) for b in blocks)
+    return (ast.get_source_segment(source, func) or "").count(trigger) == inside
 
 
 def unguarded(source: str) -> list[tuple[str, str]]:
@@ -83,11 +84,12 @@ def test_the_guard_check_flags_an_unguarded_test_and_passes_guarded_ones():
     bare = "def test_x():\n    prepare_gemma3(None)\n"
     marked = "import pytest\n@pytest.mark.gemma\ndef test_x():\n    prepare_gemma3(None)\n"
     faked = "def test_x(fake_gemma):\n    prepare_gemma3(None)\n"
-    patched = "def test_x(monkeypatch):\n    monkeypatch.setattr(m, 'GEMMA3_PARTS', ())\n    prepare_gemma3(None)\n"
-    raises = "import pytest\ndef test_x():\n    with pytest.raises(ValueError):\n        prepare_gemma3(None)\n"
+    patched = "def test_x(mp):\n    mp.setattr(m, 'GEMMA3_PARTS', ())\n    prepare_gemma3(None)\n"
+    raises = "def test_x():\n    with pytest.raises(ValueError):\n        prepare_gemma3(None)\n"
     module = "import pytest\npytestmark = pytest.mark.vllm\ndef test_x():\n    import vllm\n"
     assert unguarded(bare) == [("test_x", "gemma")]
-    assert unguarded(marked) == unguarded(faked) == unguarded(patched) == unguarded(raises) == unguarded(module) == []
+    for guarded in (marked, faked, patched, raises, module):
+        assert unguarded(guarded) == []
     half = raises + "    prepare_gemma3(None)\n"  # one call outside the raises block
     assert unguarded(half) == [("test_x", "gemma")]
 
