@@ -105,8 +105,8 @@ def test_scoring_with_a_shared_prompt_prefix_matches_plain_forward_passes(tiny_m
         pool = [runner.new_tree(t) for t in sorted(runner.tasks)[:12]]
         assert features_lib.common_prefix_len([t.prompt_ids for t in pool]) >= features_lib.MIN_SHARED_PREFIX
 
-        def predict(trees, nodes):
-            return [module.scorer.predict(f) for f in module.scorer.features(trees, nodes)]
+        def predict(trees, nodes, scorer=module.scorer):
+            return [scorer.predict(f) for f in scorer.features(trees, nodes)]
 
         shared = predict(trees, nodes) + predict(pool, [[0]] * len(pool))
         monkeypatch.setattr(features_lib, "MIN_SHARED_PREFIX", 10**9)
