@@ -7,7 +7,11 @@ from math import comb
 import numpy as np
 import pytest
 
-from trace_lightning.predictor import gauges
+from trace_lightning import gauges
+
+
+def test_average_ranks_share_ties():
+    assert gauges.average_ranks(np.array([10, 30, 10, 20])).tolist() == [1.5, 4.0, 1.5, 3.0]
 
 
 def test_spearman_on_a_hand_example_and_constants():

@@ -19,11 +19,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
+from trace_lightning import gauges
 from trace_lightning.allocation import BudgetLedger
 from trace_lightning.collector import HeldOutResult, IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.plots import draw_tree
-from trace_lightning.predictor import gauges
 from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
 
 

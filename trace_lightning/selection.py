@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from trace_lightning.allocation import BetaPrior
-from trace_lightning.predictor.gauges import brier_skill
+from trace_lightning.gauges import brier_skill
 from trace_lightning.tree import SUCCESS, RolloutTree
 
 

@@ -2,8 +2,9 @@
 
 Two sources of such outcomes: a Monte Carlo probe (S episodes of every pool candidate, outside the
 budget: `collector.RolloutCollector.probe`) and the unbiased slice of Stage 1 (groups on uniformly
-drawn candidates, `selection.explore_groups`). The gauges here are pure functions of predictions and
-outcome counts, so an oracle and a constant can be checked against them by hand:
+drawn candidates, `selection.explore_groups`). The gauges here are pure functions (numpy only, part
+of the pure core, so selection.py's gate can use them) of predictions and outcome counts, so an oracle
+and a constant can be checked against them by hand:
 
 * Spearman correlation of the predictions with the probed success rates (ranking);
 * the Brier score against every probe episode, next to the base rate's Brier score (calibration and
@@ -17,17 +18,23 @@ from __future__ import annotations
 from math import comb
 
 import numpy as np
-from scipy.stats import spearmanr
 
 from trace_lightning.allocation import solve_roots
 
 
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, tied values sharing the mean of their ranks: [10, 30, 10] -> [1.5, 3, 1.5]."""
+    _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    return np.asarray(((ends - counts + 1 + ends) / 2)[inverse], dtype=np.float64)
+
+
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation (ties get average ranks); NaN when either side is constant."""
+    """Spearman's rank correlation: Pearson's on average ranks; NaN when either side is constant."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return float("nan")
-    return float(spearmanr(a, b).statistic)
+    return float(np.corrcoef(average_ranks(a), average_ranks(b))[0, 1])
 
 
 def brier(p: np.ndarray, successes: np.ndarray, samples: np.ndarray) -> float:
