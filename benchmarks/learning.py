@@ -126,6 +126,10 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_text_slice": Method(trace, leaves, {"explore_groups": 2}, text),
         "trace_text_breadth": Method(broad, leaves, predictor=text),
         "trace_text_cal": Method(trace, leaves, sliced, text | calibrated),
+        "trace_text_linear": Method(trace, leaves, predictor=text | {"width": 0}),
+        "trace_text_linear_cal": Method(trace, leaves, predictor=text | {"width": 0} | calibrated),
+        "trace_text_post": Method(trace, leaves, predictor=text | {"posterior_features": True}),
+        "trace_text_r150": Method(trace, leaves, predictor=text | {"refit_steps": 150}),
         "trace_both_cal": Method(trace, leaves, sliced, both | calibrated),
         "trace_head_cal": Method(trace, leaves, sliced, {"label_decay": 0.8} | calibrated),
     }

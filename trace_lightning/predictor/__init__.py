@@ -37,7 +37,7 @@ POSTERIOR_FEATURES = 2  # the prompt's decayed posterior mean and log(1 + decaye
 class PredictorSettings:
     """The `predictor` config group, checked when made (at start-up, before any model is loaded).
 
-    width: hidden units of the head. lr: its learning rate (joint loss and refit).
+    width: hidden units of the head (0: a linear head). lr: its learning rate (joint loss and refit).
     coef: weight of the predictor MSE in the policy's loss (0: the head trains only in the refit).
     weighting: "leaves" weighs a prefix's target by its leaf count, "uniform" equally.
     backbone: a frozen companion LM folder the head reads instead of the policy (same tokenizer).
@@ -71,9 +71,9 @@ class PredictorSettings:
     refit_batch: int = 256
 
     def __post_init__(self) -> None:
-        if self.width < 1 or self.lr <= 0 or self.coef < 0:
+        if self.width < 0 or self.lr <= 0 or self.coef < 0:
             raise ValueError(
-                f"predictor.width={self.width} (>= 1), predictor.lr={self.lr} (> 0) and "
+                f"predictor.width={self.width} (>= 0), predictor.lr={self.lr} (> 0) and "
                 f"predictor.coef={self.coef} (>= 0): one is out of range"
             )
         if self.weighting not in WEIGHTINGS:
