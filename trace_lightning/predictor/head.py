@@ -10,10 +10,11 @@ class SuccessHead(nn.Module):
     """features [K, F] -> logit of P(success | prefix) [K].
 
     A row is [the policy's states at the prefix (`hidden_size`) ; `extra` prompt statistics ; `raw`
-    binary text features]. With `width` 0 the MLP is one linear layer (a logistic regression: fewer
-    parameters for the few labels an online refit has). The first two parts are normalised: with `standardize`, by a `FeatureScaler`
-    fitted across prompts, otherwise by a LayerNorm (the original head). The text part (0/1 presence of
-    hashed n-grams) enters as it is: a standardiser would blow up a column that no root has.
+    binary text features]. The first two parts are normalised: with `standardize`, by a
+    `FeatureScaler` fitted across prompts, otherwise by a LayerNorm (the original head). The text part
+    (0/1 presence of hashed n-grams) enters as it is: a standardiser would blow up a column that no
+    root has. With `width` 0 the MLP is one linear layer (a logistic regression: fewer parameters for
+    the few labels an online refit has).
     """
 
     def __init__(
