@@ -1,6 +1,7 @@
 """The shipped configs: every group option instantiates, and every key an error message names exists."""
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -8,13 +9,28 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.utils import instantiate
+from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import Budget, TreeAllocator
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUP_OPTIONS = [
+    (group.name, option.stem)
+    for group in sorted(CONF.iterdir())
+    if group.is_dir() and group.name not in ("experiment", "debug", "__pycache__")
+    for option in sorted(group.glob("*.yaml"))
+]
+
+
+def compose_with(tmp_path, *overrides):
+    config.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"output_root={tmp_path}", f"run_dir={tmp_path}/run", *overrides])
+    GlobalHydra.instance().clear()
+    return cfg
 
 
 @pytest.mark.parametrize("path", sorted((CONF / "allocator").glob("*.yaml")), ids=lambda p: p.stem)
@@ -103,3 +119,32 @@ def test_every_key_a_message_names_exists(known_keys):
 def test_the_walk_catches_an_unknown_key(known_keys):
     """The oracle itself can fail: a misspelt key is not among the known ones."""
     assert "budget.leavs" not in known_keys and "budget.leaves" in known_keys
+
+
+# Arguments the caller passes when it builds the component (the engine's policy and tokenizer), and the
+# auto engine's factories (tests swap them), are not settings.
+INJECTED = {("engine", "model"), ("engine", "tokenizer"), ("engine", "vllm"), ("engine", "hf")}
+
+
+def component_nodes(cfg, group):
+    node = cfg[group]
+    if node is None:
+        return {}
+    if group == "callbacks":
+        return {f"callbacks.{k}": v for k, v in node.items() if v is not None and "_target_" in v}
+    return {group: node} if node is not None and "_target_" in node else {}
+
+
+@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_component_group_lists_its_constructors_arguments(tmp_path, group, option):
+    """The lightning-hydra-template rule (issue 25 item 5): every argument of one of our constructors is
+    a key of its group, so each can be overridden (and named in an error) without Hydra's `+`."""
+    cfg = compose_with(tmp_path, f"{group}={option}")
+    for key, node in component_nodes(cfg, group).items():
+        if not node._target_.startswith("trace_lightning."):
+            continue  # torch's optimizers, Lightning's Trainer: their own documented signatures
+        params = inspect.signature(get_method(node._target_)).parameters.values()
+        wanted = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        keys = set(node.keys())  # not `p in node`: that is False for a mandatory `???` value
+        missing = [p for p in wanted if p not in keys and (group, p) not in INJECTED]
+        assert not missing, f"{key} ({node._target_}) lacks {missing}: add them to conf/{group}/{option}.yaml"
