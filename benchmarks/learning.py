@@ -60,7 +60,7 @@ from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.batching import ESTIMATORS, GRPO, collate, leaf_sequences, node_advantages
 from trace_lightning.callbacks import SuccessProbe
 from trace_lightning.data import DataSettings, RolloutDataModule
-from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
+from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.decisive import TEACHER_SHIFT_ACCURACY, DecisiveEnv, teacher_pick
 from trace_lightning.iteration import Iteration, build_trees
@@ -144,7 +144,7 @@ def budget_names(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 
 
 @dataclass
-class TeacherEngine:
+class TeacherEngine(ScriptedEngineBase):
     """A scripted `GenerationEngine`: reads the last cue of the conversation ("Key 2: F" or "Key 2: F+2=H")
     and answers as `teacher_pick` would (the shift applied with the teacher's accuracy)."""
 
@@ -163,9 +163,6 @@ class TeacherEngine:
             ]
             out.append(Completion(list(ids), [0.0] * len(ids), "stop"))
         return out
-
-    def sync_weights(self) -> None:
-        """Nothing to sync: the teacher has no weights."""
 
 
 def play_all(runner: ReActRunner, per_task: int, rng: np.random.Generator) -> Iteration:

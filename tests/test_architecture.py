@@ -74,3 +74,14 @@ def test_importing_a_pure_module_loads_none_of_the_heavy_stack(module):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert not set(FORBIDDEN) & set(ast.literal_eval(loaded.stdout))
+
+
+def test_every_package_folder_is_installed():
+    """A wheel holds only the packages pyproject names; a new subpackage left out imports from the
+    checkout but not from an install (Docker, `pip install .`)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    inits = (ROOT / "trace_lightning").rglob("__init__.py")
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in inits}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"

@@ -9,7 +9,7 @@ import torch
 from chain_fixtures import fit, make_data, make_module
 
 from trace_lightning import allocation as alloc
-from trace_lightning.engines.base import Completion, EngineStats
+from trace_lightning.engines.base import Completion, EngineStats, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
 
@@ -95,7 +95,7 @@ def test_branching_reenters_exact_prefix_tokens_and_env_state(tiny_model_dir):
         assert tree.token_ids(node.id)[: len(prefix)] == prefix
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedEngineBase):
     """Returns adversarial turns (as tokens of the real tokenizer) in a fixed cycle."""
 
     TEXTS = (
@@ -120,19 +120,6 @@ class ScriptedEngine:
             self.i += 1
             out.append(Completion(ids, [0.0] * len(ids), "stop"))
         return out
-
-    def sync_weights(self):
-        pass
-
-    def sleep(self):
-        pass
-
-    def close(self):
-        pass
-
-    def take_stats(self):
-        stats, self.stats = self.stats, EngineStats()
-        return stats
 
 
 def test_malformed_and_adversarial_actions_never_crash_a_rollout(tiny_model_dir):

@@ -27,7 +27,7 @@ from helpers import quiet_trainer, rollout_data, trace_module
 from trace_lightning import allocation as alloc
 from trace_lightning.batching import ESTIMATORS, RolloutBatch
 from trace_lightning.data import DataSettings, RolloutDataModule
-from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
+from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.losses import LossSettings, TokenMean, clipped_surrogate
@@ -49,7 +49,7 @@ LETTERS = tuple(f"<choose>{c}</choose>" for c in "ABCD")
 # --------------------------------------------------------------------------- test doubles
 
 
-class ScriptedEngine:
+class ScriptedEngine(ScriptedEngineBase):
     """Answers every prompt with the next text of a fixed cycle, tokenised by the real tokenizer."""
 
     def __init__(self, model: Any, tokenizer: Any, texts: Sequence[str] = LETTERS) -> None:
@@ -63,9 +63,6 @@ class ScriptedEngine:
             self.i += 1
             out.append(Completion(list(ids), [0.0] * len(ids), "stop"))
         return out
-
-    def sync_weights(self) -> None:
-        pass
 
 
 class JunkEngine(ScriptedEngine):

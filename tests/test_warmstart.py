@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from trace_lightning import config, trainer
 from trace_lightning.allocation import Budget, BudgetLedger
 from trace_lightning.demos import demonstrations, generated_expression, math_tool_demo
-from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
+from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.search_qa import SearchQAEnv
@@ -107,7 +107,7 @@ def test_real_search_qa_demonstrations_skip_held_out_tasks():
         assert replayed(env, demo)[1].reward == 1.0
 
 
-class Script:
+class Script(ScriptedEngineBase):
     """An engine that 'generates' the demonstration's actions, one per turn."""
 
     def __init__(self, tokenizer, actions: Sequence[str]) -> None:
@@ -118,9 +118,6 @@ class Script:
         ids = self.ids[self.turn]
         self.turn += 1
         return [Completion(list(ids), [0.0] * len(ids), "stop") for _ in prompts]
-
-    def sync_weights(self):
-        pass
 
 
 def test_examples_are_the_episode_the_runner_would_play(tiny_policy):

@@ -84,6 +84,27 @@ class GenerationEngine(Protocol):
         ...
 
 
+class ScriptedEngineBase:
+    """The weight-free half of `GenerationEngine` for engines that hold no weights of their own (a
+    script, a teacher, a test double): syncing, sleeping and closing do nothing; subclasses write
+    `generate` and count into `stats`."""
+
+    stats: EngineStats
+
+    def sync_weights(self) -> None:
+        """Nothing to sync."""
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def take_stats(self) -> EngineStats:
+        stats, self.stats = getattr(self, "stats", EngineStats()), EngineStats()
+        return stats
+
+
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     """The tokenizer's EOS plus any the model's generation config lists (chat models often have two)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
