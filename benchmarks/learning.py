@@ -446,6 +446,22 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return result
 
 
+def finished_seed(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
+    """The seed's result from an earlier run's file, restricted to the requested methods, or None
+    when there is no such file or it lacks one of them. The file does not record the arguments:
+    resuming is only honest with the same ones."""
+    path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    wanted = [m for m in methods(args) if m in args.methods or not args.methods]  # run_seed's order
+    runs = {r["method"]: r for r in result["runs"]}
+    if not set(wanted) <= set(runs):
+        return None
+    print(f"seed {seed}: taken from {path} ({', '.join(wanted)})", flush=True)
+    return result | {"runs": [runs[m] for m in wanted]}
+
+
 # --------------------------------------------------------------------------- summary
 
 
@@ -759,6 +775,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--workers", type=int, default=2, help="seeds run in parallel processes, one thread each")
     p.add_argument("--methods", nargs="*", default=[], help="run only these methods (default: all)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="take a seed from the file an earlier run with the same arguments left (.<out>_seed<k>.json) "
+        "when it holds every requested method, instead of running it again",
+    )
     p.add_argument("--tasks", type=int, default=1000, help="training tasks")
     p.add_argument("--task-seed", type=int, default=0, help="seed of the task sets and the warm start")
     p.add_argument("--cache", type=Path, default=Path("benchmarks/results/.cache"), help="warm-start cache")
@@ -823,11 +845,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = time.perf_counter()
     args.trainer, args.experiment = shipped_config(tempfile.gettempdir())
     shared_warm_start(args)  # once, before the workers start
-    if args.workers > 1 and len(args.seeds) > 1:
-        with mp.get_context("spawn").Pool(min(args.workers, len(args.seeds))) as pool:
-            seed_results = pool.starmap(run_seed, [(args, s) for s in args.seeds])
+    done = {s: r for s in args.seeds if (r := finished_seed(args, s)) is not None} if args.resume else {}
+    todo = [s for s in args.seeds if s not in done]
+    if args.workers > 1 and len(todo) > 1:
+        with mp.get_context("spawn").Pool(min(args.workers, len(todo))) as pool:
+            ran = dict(zip(todo, pool.starmap(run_seed, [(args, s) for s in todo]), strict=True))
     else:
-        seed_results = [run_seed(args, s) for s in args.seeds]
+        ran = {s: run_seed(args, s) for s in todo}
+    seed_results = [done.get(s) or ran[s] for s in args.seeds]
     summary = summarize(seed_results)
     verdict_lines = print_tables(summary, args)
     seconds = time.perf_counter() - clock
