@@ -65,8 +65,8 @@ def require_bwrap() -> None:
 def _jail_problem() -> str | None:
     import shutil
 
-    from trace_lightning.envs.jail import JailUnavailableError
     from trace_lightning.envs.sandbox import SandboxLimits, check_sandbox
+    from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 from helpers import require_bwrap
 
-from trace_lightning.envs import jail, sandbox
-from trace_lightning.envs.jail import JailUnavailableError
 from trace_lightning.envs.math_tool import MathToolEnv
-from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, run_python
+from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, jail, run_python
+from trace_lightning.envs.sandbox import spawn
+from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_mb=256, scratch_mb=8, max_processes=16)
 DEADLINE = LIMITS.wall_seconds + 3.0  # the 2 s backstop, plus start-up on a shared 2-core machine
@@ -668,7 +668,7 @@ def test_the_seccomp_filter_is_what_refuses_ptrace_and_keyctl(monkeypatch: pytes
     )
     limits = SandboxLimits(**{**LIMITS.__dict__, "audit_hook": False})
     assert run_python(code, limits).output == "ptrace -1 keyctl False\n"
-    monkeypatch.setattr(sandbox, "seccomp_program", _allow_all_filter)
+    monkeypatch.setattr(spawn, "seccomp_program", _allow_all_filter)
     assert run_python(code, limits).output == "ptrace 0 keyctl True\n"
 
 
@@ -693,7 +693,7 @@ def test_a_launcher_that_never_reports_is_killed_by_the_backstop(
         "import os, subprocess, sys, time\nos.write(int(sys.argv[-1]), b'S')\n"
         f"subprocess.Popen(['sleep', '{world.token}'])\ntime.sleep(60)\n"
     )
-    monkeypatch.setattr(sandbox, "_launcher_source", lambda: stuck.encode())
+    monkeypatch.setattr(spawn, "launcher_source", lambda: stuck.encode())
     start = time.monotonic()
     result = run_python("print('never runs')", LIMITS)
     seconds = time.monotonic() - start
