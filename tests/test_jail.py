@@ -29,8 +29,7 @@ import pytest
 from helpers import require_bwrap
 
 from trace_lightning.envs.math_tool import MathToolEnv
-from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, jail, run_python
-from trace_lightning.envs.sandbox import spawn
+from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, jail, run_python, spawn
 from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_mb=256, scratch_mb=8, max_processes=16)
@@ -94,6 +93,27 @@ _WRITE_EACH = (
 )
 _READ_EACH = "for path in {paths}:\n    try: print(open(path).read())\n    " + _SHOW_ERRORS
 
+HOST_WIDE_PROC = ["/proc/cmdline", "/proc/sys/kernel/random/boot_id", "/proc/diskstats", "/proc/partitions"]
+USR_HIDDEN = ("/usr/etc", "/usr/lib/python3/dist-packages", "/usr/local")
+
+
+def _hides_host_proc(observation: str) -> None:
+    """The host's kernel command line, boot id and disk names (read here, outside) are not shown."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    cmdline = Path("/proc/cmdline").read_text().strip()[:40]
+    disks = [line.split()[2] for line in Path("/proc/diskstats").read_text().splitlines() if line.split()]
+    for leaked in (boot_id, cmdline, *(f" {disk} " for disk in disks)):
+        assert not leaked.strip() or leaked not in observation, f"leaked {leaked!r}: {observation}"
+
+
+def _hides_host_usr(observation: str) -> None:
+    """No entry of the host's /usr/etc, dist-packages or /usr/local is listed in the jail."""
+    for folder in USR_HIDDEN:
+        entries = os.listdir(folder) if os.path.isdir(folder) else []
+        shown = [entry for entry in entries if repr(entry) in observation]
+        assert shown == [], f"{folder} shows {shown[:5]}: {observation}"
+
+
 HOSTILE = [
     # -- reading the host's files ---------------------------------------------------------------------
     Hostile(
@@ -127,6 +147,22 @@ HOSTILE = [
         "through /proc/1/root",
         _READ_EACH.format(paths="['/proc/1/root/etc/shadow', '/proc/1/cwd/../../etc/shadow']"),
         check=_never("root:"),
+    ),
+    Hostile(
+        "read host files",
+        "host-wide /proc files",  # issue 23: the kernel command line, boot id, disk counters
+        _READ_EACH.replace("print(open(path).read())", "print(path, repr(open(path).read()[:200]))").format(
+            paths=repr(HOST_WIDE_PROC)
+        ),
+        "/proc/cmdline ''",
+        check=lambda observation: _hides_host_proc(observation),
+    ),
+    Hostile(
+        "read host files",
+        "/usr/etc, dist-packages, /usr/local",
+        "import os\nfor path in $usr_hidden:\n    try: print(path, sorted(os.listdir(path)))\n    "
+        + _SHOW_ERRORS,
+        check=lambda observation: _hides_host_usr(observation),
     ),
     # -- tricks that get past the audit hook --------------------------------------------------------------
     Hostile(
@@ -470,6 +506,7 @@ def world(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host_stdlib: str) -> 
             "trainer": os.getpid(),
             "token": f"{secrets.randbelow(9000) + 1000}.{secrets.randbelow(10**6):06d}",
             "syscalls": repr(SYSCALLS),
+            "usr_hidden": repr(USR_HIDDEN),
         }
         yield World(tmp_path / "canary.txt", pwned, listener, abstract, victim, str(fields["token"]), fields)
     victim.kill()

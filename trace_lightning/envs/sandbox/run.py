@@ -173,6 +173,13 @@ def describe_failure(status: dict[str, Any], stderr: str, limits: SandboxLimits,
     Example: a report `{"timed_out": False, "exit_code": -39, "cpu_seconds": 0.0}` (a real-time signal,
     which `signal.Signals` does not name) gives "killed by SIGRTMIN+5".
     """
+    reason = _exit_reason(status, stderr, limits, oom_kills)
+    if oom_kills and not reason.startswith("killed at the memory limit"):
+        reason += f" ({oom_kills} of its processes were killed at the memory limit, {limits.memory_mb} MB)"
+    return reason
+
+
+def _exit_reason(status: dict[str, Any], stderr: str, limits: SandboxLimits, oom_kills: int) -> str:
     exit_code = status["exit_code"]
     if status["timed_out"]:
         return f"timed out after {limits.wall_seconds:g} s"
