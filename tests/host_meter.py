@@ -2,7 +2,8 @@
 
 `HostMeter` samples every 10 ms, from a thread of the test process:
 - host free memory (`MemAvailable`) and kernel slab (`Slab`) from /proc/meminfo, host-wide;
-- free disk (statvfs) of the file systems holding the temp dir and the checkout;
+- free disk (statvfs) of the file systems holding the temp dir and the checkout, and the blocks of the
+  regular files the test process itself holds open (where round 2's stdout and stderr lived);
 - the memory (and, on cgroup v1, kernel memory) charged to the test process's own memory cgroup, which
   holds the jail's processes wherever they are moved below it: the same figures without the noise of
   other users of the machine. On cgroup v2 the group above a `trace-trainer` leaf.
@@ -15,6 +16,7 @@ rise of slab or of the group's charge).
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ class Taken:
     host_memory: int = 0  # largest drop of MemAvailable
     slab: int = 0  # largest rise of Slab
     disk: int = 0  # largest drop of free disk over the temp dir's and the checkout's file systems
+    own_files: int = 0  # largest growth of the blocks of the regular files this process holds open
     group_memory: int | None = None  # largest rise of the test's memory cgroup charge (None: unreadable)
     group_kernel: int | None = None  # largest rise of its kernel memory (cgroup v1 kmem; v2 memory.stat)
     samples: int = 0
@@ -40,7 +43,8 @@ class Taken:
         kernel = "n/a" if self.group_kernel is None else f"{self.group_kernel / MiB:.0f}"
         return (
             f"host memory {self.host_memory / MiB:.0f} MiB, slab {self.slab / MiB:.0f} MiB, disk "
-            f"{self.disk / MiB:.0f} MiB, own cgroup {group} MiB (kernel {kernel} MiB), {self.samples} samples"
+            f"{self.disk / MiB:.0f} MiB (files held by the test {self.own_files / MiB:.0f} MiB), own cgroup "
+            f"{group} MiB (kernel {kernel} MiB), {self.samples} samples"
         )
 
 
@@ -88,6 +92,19 @@ def _free_disk() -> int:
     return sum(devices.values())
 
 
+def _own_file_blocks() -> int:
+    """Bytes allocated to the regular files this process has open (st_blocks, so fallocate counts)."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if stat.S_ISREG(found.st_mode):
+            total += found.st_blocks * 512
+    return total
+
+
 @dataclass
 class HostMeter:
     """`with HostMeter() as meter: ...` then `meter.taken` (see the module's docstring)."""
@@ -108,21 +125,28 @@ class HostMeter:
         self._thread.join()
         self._record(self._sample())
 
-    def _sample(self) -> tuple[int, int, int, int | None, int | None]:
+    def _sample(self) -> tuple[int, int, int, int, int | None, int | None]:
         info = _meminfo()
-        return (info["MemAvailable"], info["Slab"], _free_disk(), *_group_charge(self._group))
+        return (
+            info["MemAvailable"],
+            info["Slab"],
+            _free_disk(),
+            _own_file_blocks(),
+            *_group_charge(self._group),
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._record(self._sample())
 
-    def _record(self, sample: tuple[int, int, int, int | None, int | None]) -> None:
+    def _record(self, sample: tuple[int, int, int, int, int | None, int | None]) -> None:
         base, taken = self._base, self.taken
         taken.samples += 1
         taken.host_memory = max(taken.host_memory, base[0] - sample[0])
         taken.slab = max(taken.slab, sample[1] - base[1])
         taken.disk = max(taken.disk, base[2] - sample[2])
-        if sample[3] is not None and base[3] is not None:
-            taken.group_memory = max(taken.group_memory or 0, sample[3] - base[3])
+        taken.own_files = max(taken.own_files, sample[3] - base[3])
         if sample[4] is not None and base[4] is not None:
-            taken.group_kernel = max(taken.group_kernel or 0, sample[4] - base[4])
+            taken.group_memory = max(taken.group_memory or 0, sample[4] - base[4])
+        if sample[5] is not None and base[5] is not None:
+            taken.group_kernel = max(taken.group_kernel or 0, sample[5] - base[5])

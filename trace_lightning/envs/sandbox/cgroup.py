@@ -8,7 +8,8 @@ bwrap and the jail's init are moved into a group of their own before the program
   tmpfs's pages, pipes, and the kernel memory charged with them (inodes, dentries). Measured on this
   project's cgroup v1 hosts (kernel 6.18): kernel memory counts in `memory.usage_in_bytes` (an inode flood
   in a 64 MiB group was OOM-killed at 64 MiB), while `memory.kmem.limit_in_bytes` accepts writes and
-  ignores them. TCP buffers count only once `memory.kmem.tcp.limit_in_bytes` is set, so it is;
+  ignores them. TCP buffers are counted apart (`memory.kmem.tcp.*`, active once a limit is set): 14
+  processes filling loopback connections held 440 MiB there, so they get an eighth of `memory_mb` more;
 - pids: `max_processes`, plus bwrap and the launcher;
 - cpu: one core (quota = period), whatever the number of processes.
 
@@ -35,6 +36,7 @@ from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
 CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000  # cpu quota = period: one core
+TCP_SHARE = 8  # v1: TCP buffers get memory_mb / 8 on top of memory_mb (v2 counts them within it)
 PREFIX = "trace-call-"  # the per-call groups: trace-call-<trainer pid>-<random>
 TRAINER_LEAF = "trace-trainer"  # v2: the leaf the trainer moves into, so its group can have children
 _KILL_SECONDS = 2.0
@@ -192,9 +194,10 @@ def _make_v1(dirs: dict[str, Path], memory_bytes: int, max_pids: int) -> CallGro
     try:
         memory = dirs["memory"]
         _write(memory / "memory.limit_in_bytes", str(memory_bytes))
-        for optional in ("memory.memsw.limit_in_bytes", "memory.kmem.tcp.limit_in_bytes"):
-            if (memory / optional).exists():  # swap accounting and TCP buffers, where the kernel has them
-                _write(memory / optional, str(memory_bytes))
+        if (memory / "memory.memsw.limit_in_bytes").exists():  # swap accounting, where the kernel has it
+            _write(memory / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        if (memory / "memory.kmem.tcp.limit_in_bytes").exists():  # counted apart from the limit above
+            _write(memory / "memory.kmem.tcp.limit_in_bytes", str(memory_bytes // TCP_SHARE))
         _write(dirs["pids"] / "pids.max", str(max_pids))
         _write(dirs["cpu"] / "cpu.cfs_period_us", str(CPU_PERIOD_US))
         _write(dirs["cpu"] / "cpu.cfs_quota_us", str(CPU_PERIOD_US))
