@@ -6,7 +6,9 @@
   regular files the test process itself holds open (where round 2's stdout and stderr lived);
 - the memory (and, on cgroup v1, kernel memory) charged to the test process's own memory cgroup, which
   holds the jail's processes wherever they are moved below it: the same figures without the noise of
-  other users of the machine. On cgroup v2 the group above a `trace-trainer` leaf.
+  other users of the machine. On cgroup v2 the group above a `trace-trainer` leaf;
+- with `cpu=True`, the CPU time of every descendant of the test process, summed over the last value seen
+  for each (getrusage misses the jail's orphans, which its init reaps on its way out).
 
 Each is read straight from the kernel's files here, never through the code under test. A figure is the
 worst change from the value just before the call (the largest drop of free memory or disk, the largest
@@ -36,6 +38,7 @@ class Taken:
     own_files: int = 0  # largest growth of the blocks of the regular files this process holds open
     group_memory: int | None = None  # largest rise of the test's memory cgroup charge (None: unreadable)
     group_kernel: int | None = None  # largest rise of its kernel memory (cgroup v1 kmem; v2 memory.stat)
+    cpu_seconds: float = 0.0  # CPU time of the test's descendants (with cpu=True)
     samples: int = 0
 
     def describe(self) -> str:
@@ -105,16 +108,35 @@ def _own_file_blocks() -> int:
     return total
 
 
+def _descendant_cpu(root: int) -> dict[int, float]:
+    """{pid: user + system CPU seconds} of every live descendant of `root`, from /proc/<pid>/stat."""
+    parents, cpu = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {pid: cpu[pid] for pid in found}
+
+
 @dataclass
 class HostMeter:
     """`with HostMeter() as meter: ...` then `meter.taken` (see the module's docstring)."""
 
+    cpu: bool = False
     period: float = 0.01
     taken: Taken = field(default_factory=Taken)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> HostMeter:
         self._group = memory_group()
+        self._cpu: dict[int, float] = {}
         self._base = self._sample()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -126,6 +148,9 @@ class HostMeter:
         self._record(self._sample())
 
     def _sample(self) -> tuple[int, int, int, int, int | None, int | None]:
+        if self.cpu:
+            self._cpu.update(_descendant_cpu(os.getpid()))
+            self.taken.cpu_seconds = sum(self._cpu.values())
         info = _meminfo()
         return (
             info["MemAvailable"],

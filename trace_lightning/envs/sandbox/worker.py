@@ -1,6 +1,6 @@
 """The launcher and the worker: the part of the sandbox that runs model-written code (stdlib only).
 
-`sandbox.py` starts `python -I -S -B` on this file (inside the bubblewrap jail it is copied to
+`run.py` starts `python -I -S -B` on this file (inside the bubblewrap jail it is copied to
 `/jail/launcher.py`; nothing else of the checkout is visible there). The launcher forks the *worker*,
 kills it at `wall_seconds`, and reports how it ended on a status pipe: one byte when it starts (so the
 trainer can tell a jail that failed to start from a program that failed), then a JSON report.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 PROGRAM = "main.py"  # the program's file name in the scratch dir (what tracebacks show)
-MAX_FILE_BYTES = 2**20  # RLIMIT_FSIZE: stdout, stderr and any one file the program writes
+MAX_FILE_BYTES = 2**20  # RLIMIT_FSIZE: any one file the program writes (stdout and stderr are pipes)
 STARTED = b"S"  # the launcher's first byte on the status pipe
 _MAX_OPEN_FILES = 64
 _PR_SET_PDEATHSIG = 1
@@ -189,7 +189,7 @@ def _run_program(path: str) -> int:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except OSError:  # e.g. the output file reached RLIMIT_FSIZE
+        except OSError:  # e.g. the trainer closed a pipe after reading its cap
             code = code or 120  # what Python itself exits with when flushing fails
     return code
 
