@@ -62,6 +62,19 @@ def require_bwrap() -> None:
         pytest.skip(problem)
 
 
+def require_cgroup() -> None:
+    """Skip where no cgroup can be made for a call (the tool refuses before it starts bwrap)."""
+    import pytest
+
+    from trace_lightning.envs.sandbox.cgroup import CgroupUnavailableError, call_group
+
+    try:
+        with call_group(64 * 2**20, 4):
+            pass
+    except CgroupUnavailableError as err:
+        pytest.skip(f"the python tool refuses to run without a cgroup per call here: {err}")
+
+
 @functools.cache
 def _jail_problem() -> tuple[str | None, bool]:
     """(why the jail cannot run here, whether it is for want of a cgroup), or (None, False)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import require_bwrap
+from helpers import require_bwrap, require_cgroup
 
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, jail, run_python, spawn
@@ -648,6 +648,7 @@ def test_without_bwrap_the_tool_refuses_to_start() -> None:
 
 def test_a_bwrap_that_cannot_make_namespaces_is_refused() -> None:
     """bwrap installed but namespaces denied (a container, a sysctl): the named error, with the fix."""
+    require_cgroup()  # made before bwrap starts
     directory = tempfile.mkdtemp(prefix="fake_bwrap_")
     try:
         fake = Path(directory, "bwrap")
@@ -661,6 +662,26 @@ def test_a_bwrap_that_cannot_make_namespaces_is_refused() -> None:
             MathToolEnv(n_tasks=1, python_tool=True, sandbox=limits)
         with pytest.raises(JailUnavailableError, match="could not set up the jail"):
             run_python("print(1)", limits)
+    finally:
+        fake.unlink()
+        os.rmdir(directory)
+
+
+def test_a_bwrap_that_never_builds_the_jail_is_killed_and_never_let_go(world: World) -> None:
+    """A bwrap that never reports its jail is never released from --block-fd outside the call's cgroup:
+    the trainer kills it and refuses (fail closed)."""
+    require_cgroup()
+    directory = tempfile.mkdtemp(prefix="fake_bwrap_")
+    try:
+        fake = Path(directory, "bwrap")
+        fake.write_text(f"#!/bin/sh\nexec sleep {world.token}\n")
+        fake.chmod(0o755)
+        os.chmod(directory, 0o755)
+        start = time.monotonic()
+        with pytest.raises(JailUnavailableError, match="could not set up the jail"):
+            run_python("print(1)", SandboxLimits(bwrap=str(fake), wall_seconds=1.0))
+        assert time.monotonic() - start < 1.0 + 2.0 + 3.0
+        assert _with_token(world.token) == []
     finally:
         fake.unlink()
         os.rmdir(directory)

@@ -120,13 +120,21 @@ class CallGroup:
 
     def add(self, pid: int) -> None:
         """Move process `pid` into the group (in every hierarchy)."""
-        for directory in self.dirs:
-            _write(directory / "cgroup.procs", str(pid))
+        try:
+            for directory in self.dirs:
+                _write(directory / "cgroup.procs", str(pid))
+        except OSError as err:
+            raise CgroupUnavailableError(
+                f"could not move the jail into {self.dirs}: {err}. To fix: {HINT}"
+            ) from err
 
     def oom_kills(self) -> int:
-        """How many processes the kernel killed at the group's memory limit."""
+        """How many processes the kernel killed at the group's memory limit (0 if it cannot tell)."""
         memory = self.dirs[0]
-        text = _read(memory / ("memory.oom_control" if self.version == 1 else "memory.events"))
+        try:
+            text = _read(memory / ("memory.oom_control" if self.version == 1 else "memory.events"))
+        except OSError:
+            return 0
         found = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
         return int(found.group(1)) if found else 0
 
@@ -173,7 +181,7 @@ def create_group(memory_bytes: int, max_pids: int, own: OwnGroups) -> CallGroup:
     """Make a call's group below the trainer's own (v2 where it has our controllers, else v1)."""
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        if own.v2 is not None and set(CONTROLLERS) <= set(_read(own.v2 / "cgroup.controllers").split()):
+        if own.v2 is not None and set(CONTROLLERS) <= _controllers(own.v2):
             return _make_v2(_v2_parent(own.v2) / name, memory_bytes, max_pids)
         if set(CONTROLLERS) <= set(own.v1):
             return _make_v1({c: own.v1[c] / name for c in CONTROLLERS}, memory_bytes, max_pids)
@@ -186,12 +194,20 @@ def create_group(memory_bytes: int, max_pids: int, own: OwnGroups) -> CallGroup:
     )
 
 
-def _make_v1(dirs: dict[str, Path], memory_bytes: int, max_pids: int) -> CallGroup:
-    _remove_stale(dirs["memory"].parent)
-    group = CallGroup(tuple(dirs[c] for c in CONTROLLERS), version=1)
-    for directory in group.dirs:
-        directory.mkdir()
+def _controllers(group: Path) -> set[str]:
+    """The controllers a v2 group may use (none where it cannot be read)."""
     try:
+        return set(_read(group / "cgroup.controllers").split())
+    except OSError:
+        return set()
+
+
+def _make_v1(dirs: dict[str, Path], memory_bytes: int, max_pids: int) -> CallGroup:
+    group = CallGroup(tuple(dirs[c] for c in CONTROLLERS), version=1)
+    try:
+        for directory in group.dirs:
+            _remove_stale(directory.parent)
+            directory.mkdir()
         memory = dirs["memory"]
         _write(memory / "memory.limit_in_bytes", str(memory_bytes))
         if (memory / "memory.memsw.limit_in_bytes").exists():  # swap accounting, where the kernel has it

@@ -96,7 +96,7 @@ def _jail_scratch(child: int, timeout: float) -> str | None:
             if (root.st_dev, root.st_ino) != (host_root.st_dev, host_root.st_ino):
                 os.stat(f"/proc/{child}/root{SCRATCH}/main.py")
                 return f"/proc/{child}/root{SCRATCH}"
-        except FileNotFoundError:
+        except OSError:  # not there yet, or the process is gone
             if not os.path.exists(f"/proc/{child}"):
                 return None
         time.sleep(0.001)

@@ -124,12 +124,15 @@ def _run_jailed(program: bytes, limits: SandboxLimits) -> SandboxResult:
 def _enter_group(bwrap_pid: int, pipes: Pipes, group: CallGroup, limits: SandboxLimits) -> int | None:
     """While bwrap waits on its block pipe, with the jail built but the launcher not started: move bwrap and
     the jail's init into the call's group (so all the program starts is born there), cap the scratch's
-    files, then let it go. Returns the jail's init (host pid), or None if bwrap failed before making it."""
+    files, then let it go. Returns the jail's init (host pid), or None if bwrap failed before making it;
+    a bwrap that is not in the group is never let go (the wait then finds it killed, and never started)."""
     jail_init = spawn.jail_init(pipes.info, limits.wall_seconds + BACKSTOP_SECONDS)
-    if jail_init is not None:
-        group.add(bwrap_pid)
-        group.add(jail_init)
-        cap_scratch_inodes(jail_init, limits.scratch_inodes, BACKSTOP_SECONDS)
+    if jail_init is None:
+        spawn.reap_group(bwrap_pid)
+        return None
+    group.add(bwrap_pid)
+    group.add(jail_init)
+    cap_scratch_inodes(jail_init, limits.scratch_inodes, BACKSTOP_SECONDS)
     with contextlib.suppress(BrokenPipeError):  # bwrap died in its set-up; the wait sees it
         os.write(pipes.block, b"go")
     return jail_init

@@ -166,8 +166,14 @@ def wait(pid: int, pipes: Pipes, wall_seconds: float, jail_init: int | None) -> 
 
 def reap(proc: subprocess.Popen) -> None:
     """Leave nothing of the call alive: its process group, then the process itself."""
-    _kill_group(proc.pid)  # the leader is not reaped yet, so its group id cannot have been reused
+    reap_group(proc.pid)
     proc.wait()
+
+
+def reap_group(pid: int) -> None:
+    """SIGKILL the process group the call's process leads (started with its own session). Call it before
+    the leader is reaped: until then its group id cannot have been reused."""
+    _kill_group(pid)
 
 
 def _parse_report(data: bytes, exited: bool) -> dict[str, Any]:
