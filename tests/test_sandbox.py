@@ -26,7 +26,8 @@ from trace_lightning.envs.sandbox.run import describe_failure
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=5, memory_mb=256)
 _ANY = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5)
-_REPORTS = st.fixed_dictionaries({"timed_out": _ANY, "exit_code": _ANY, "cpu_seconds": _ANY}) | _ANY
+_EXIT = st.integers(min_value=-70, max_value=300) | _ANY  # real-time signals are -34 .. -64
+_REPORTS = st.fixed_dictionaries({"timed_out": st.booleans() | _ANY, "exit_code": _EXIT, "cpu_seconds": _ANY})
 
 
 @pytest.fixture
@@ -177,7 +178,7 @@ def test_an_out_of_memory_kill_is_named_with_the_limit() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=200) | st.builds(lambda v: json.dumps(v).encode(), _REPORTS))
+@given(st.binary(max_size=200) | st.builds(lambda v: json.dumps(v).encode(), _REPORTS | _ANY))
 def test_any_status_report_becomes_a_sentence(data: bytes) -> None:
     """The program can reach the launcher's status pipe: whatever it holds, the trainer makes a sentence."""
     status = spawn._parse_report(data, exited=True)
