@@ -65,7 +65,7 @@ def check_sandbox(limits: SandboxLimits) -> None:
         limits.scratch_mb,
         f"at most {files} files"
         if capped
-        else "no file cap (the trainer is not root): the memory limit binds",
+        else "no file cap (setting it takes a root trainer): the memory limit bounds its inodes",
     )
 
 
@@ -128,7 +128,7 @@ def _enter_group(bwrap_pid: int, pipes: Pipes, group: CallGroup, limits: Sandbox
     a bwrap that is not in the group is never let go (the wait then finds it killed, and never started)."""
     jail_init = spawn.jail_init(pipes.info, limits.wall_seconds + BACKSTOP_SECONDS)
     if jail_init is None:
-        spawn.reap_group(bwrap_pid)
+        spawn.kill_group(bwrap_pid)
         return None
     group.add(bwrap_pid)
     group.add(jail_init)

@@ -155,7 +155,7 @@ def wait(pid: int, pipes: Pipes, wall_seconds: float, jail_init: int | None) -> 
         if not exited:
             if jail_init is not None:
                 _kill(jail_init)  # bwrap waits on it, so the pid is not reaped (nor reused) while bwrap lives
-            _kill_group(pid)
+            kill_group(pid)
             drain(process_fd, captures, BACKSTOP_SECONDS)
     finally:
         os.close(process_fd)
@@ -166,14 +166,8 @@ def wait(pid: int, pipes: Pipes, wall_seconds: float, jail_init: int | None) -> 
 
 def reap(proc: subprocess.Popen) -> None:
     """Leave nothing of the call alive: its process group, then the process itself."""
-    reap_group(proc.pid)
+    kill_group(proc.pid)
     proc.wait()
-
-
-def reap_group(pid: int) -> None:
-    """SIGKILL the process group the call's process leads (started with its own session). Call it before
-    the leader is reaped: until then its group id cannot have been reused."""
-    _kill_group(pid)
 
 
 def _parse_report(data: bytes, exited: bool) -> dict[str, Any]:
@@ -194,6 +188,8 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group a call's process leads (it has its own session). Call it before the leader
+    is reaped: until then its group id cannot have been reused."""
     with contextlib.suppress(ProcessLookupError):  # the group is gone already
         os.killpg(pgid, signal.SIGKILL)
