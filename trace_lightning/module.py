@@ -101,6 +101,8 @@ class TraceModule(L.LightningModule):
             self.head,
             predictor.pooling,
             predictor.posterior_features,
+            predictor.text_buckets,
+            predictor.policy_features,
         )
         self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
         self._tree_mask_ok: dict[int, bool] = {}  # id(model) -> it takes packed batches (packing.py)

@@ -43,6 +43,10 @@ class PredictorSettings:
     standardize: a FeatureScaler (across prompts) instead of LayerNorm in front of the head.
     pooling: "last" (the prefix's last hidden state) or "last_mean" (also the mean over the prefix).
     posterior_features: append the prompt's decayed Beta mean and log(1 + visits) (refit only).
+    text_buckets: also read hashed uni- and bigrams of the prefix's tokens, in this many columns (0: off);
+      text does not drift with the policy (issue 20). policy_features: read the policy's states (false:
+      text only).
+    label_decay: a replay target's weight is multiplied by this once per iteration of age (1: no decay).
     refit_steps / replay_window / refit_batch: the head-only refit after each iteration (0 steps: off).
     """
 
@@ -54,6 +58,9 @@ class PredictorSettings:
     standardize: bool = True
     pooling: str = "last_mean"
     posterior_features: bool = False
+    text_buckets: int = 0
+    policy_features: bool = True
+    label_decay: float = 1.0
     refit_steps: int = 50
     replay_window: int = 8
     refit_batch: int = 256
@@ -78,18 +85,38 @@ class PredictorSettings:
                 "predictor.posterior_features=true feeds prompt statistics only the refit knows; set "
                 "predictor.coef=0 (train the head by predictor.refit_steps) or posterior_features=false"
             )
+        if self.text_buckets < 0 or (not self.policy_features and self.text_buckets == 0):
+            raise ValueError(
+                f"predictor.text_buckets={self.text_buckets} must be >= 0, and > 0 when "
+                "predictor.policy_features=false (the head needs something to read)"
+            )
+        if (self.text_buckets or not self.policy_features) and self.coef > 0:
+            raise ValueError(
+                "predictor.text_buckets and predictor.policy_features=false are read only by the refit; "
+                "set predictor.coef=0 (train the head by predictor.refit_steps)"
+            )
         self.refit(seed=0)  # its ranges are checked now too
 
     def input_size(self, hidden_size: int) -> int:
-        """Width of the features the module computes for a backbone of `hidden_size` (no extras)."""
+        """Columns of policy states the scorer reads for a backbone of `hidden_size` (no extras)."""
+        if not self.policy_features:
+            return 0
         return hidden_size * (2 if self.pooling == "last_mean" else 1)
 
     def build_head(self, hidden_size: int) -> SuccessHead:
-        """The head for a backbone of `hidden_size`, with the prompt statistics when configured."""
+        """The head for a backbone of `hidden_size`, with the prompt statistics and text when configured."""
         extra = POSTERIOR_FEATURES if self.posterior_features else 0
-        return SuccessHead(self.input_size(hidden_size), self.width, extra, self.standardize)
+        policy = self.input_size(hidden_size)
+        return SuccessHead(policy, self.width, extra, self.standardize, self.text_buckets)
 
     def refit(self, seed: int) -> PredictorFit | None:
         """The head-only refit these settings ask for (None when refit_steps is 0)."""
-        fit = PredictorFit(self.refit_steps, self.replay_window, self.refit_batch, self.lr, seed)
+        fit = PredictorFit(
+            self.refit_steps,
+            self.replay_window,
+            self.refit_batch,
+            self.lr,
+            seed,
+            label_decay=self.label_decay,
+        )
         return fit if self.refit_steps > 0 else None

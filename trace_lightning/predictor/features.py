@@ -23,13 +23,29 @@ SCORE_BATCH_SIZE = 16  # rollouts per scoring forward pass
 MIN_SHARED_PREFIX = 16  # below this, one plain forward pass is cheaper than the cache bookkeeping
 
 
+def ngram_features(token_ids: Sequence[int], buckets: int) -> torch.Tensor:
+    """Presence of the prefix's token unigrams and bigrams, hashed into `buckets` columns [buckets].
+
+    Text features do not drift as the policy trains (its hidden states do), so a predictor on them
+    keeps what it learned about a prompt's wording (issue 20). The hash is a fixed affine map per
+    n-gram, the same in every process and run. Example: ids [5, 7], 8 buckets -> columns 5 % 8,
+    7 % 8 and (5 * 1_000_003 + 7 + 1) % 8 set to 1."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    bigrams = ids[:-1] * 1_000_003 + ids[1:] + 1
+    out = torch.zeros(buckets)
+    out[torch.as_tensor(np.concatenate([ids, bigrams]) % buckets)] = 1.0
+    return out
+
+
 class PrefixScorer:
     """Features [n, F] and predictions Ṽ [n] at requested turn prefixes, for the collector.
 
     `model` returns the network to read (the rollout policy, which under FSDP2 is an unsharded copy
-    made on first use, or a frozen companion); `head` is the module's `SuccessHead`. `pooling`
-    "last_mean" appends the mean of the states over the prefix to the last one (F = 2H). With
-    `posterior_features` the collector appends the prompt's posterior statistics to what this reads.
+    made on first use, or a frozen companion); `head` is the module's `SuccessHead`. A row is
+    [policy states (`policy_width`) ; hashed n-grams of the prefix's tokens (`text_buckets`)]:
+    `pooling` "last_mean" appends the mean of the states over the prefix to the last one (2H), and
+    `policy_features=False` leaves the states out. With `posterior_features` the collector inserts the
+    prompt's posterior statistics after the policy states (`IterationScorer`).
 
     Why the mean (issue 11, measured on benchmarks/learning.py's testbed): the last token's state is
     about what comes next, not about the task; a head fitted to 150 prompts on it correlated 0.41 with
@@ -43,15 +59,25 @@ class PrefixScorer:
         head: SuccessHead,
         pooling: str,
         posterior_features: bool = False,
+        text_buckets: int = 0,
+        policy_features: bool = True,
     ) -> None:
         self.model, self.tokenizer, self.head, self.pooling = model, tokenizer, head, pooling
-        self.posterior_features = posterior_features
+        self.posterior_features, self.text_buckets = posterior_features, text_buckets
+        self.policy_features = policy_features
+
+    @property
+    def policy_width(self) -> int:
+        """Columns of policy states at the start of a row (0 when `policy_features` is off)."""
+        if not self.policy_features:
+            return 0
+        hidden = int(self.model().config.hidden_size)
+        return hidden * (2 if self.pooling == "last_mean" else 1)
 
     @property
     def width(self) -> int:
         """F: the width of `features` rows."""
-        hidden = int(self.model().config.hidden_size)
-        return hidden * (2 if self.pooling == "last_mean" else 1)
+        return self.policy_width + self.text_buckets
 
     @torch.no_grad()
     def predict(self, features: torch.Tensor) -> np.ndarray:
@@ -65,6 +91,20 @@ class PrefixScorer:
     def features(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The head's input at each requested prefix, one [n_i, F] tensor per tree. Prefixes on the same
         rollout share one forward pass over it (its lowest-id leaf's path, `RolloutTree.owner_leaf`)."""
+        states = self._states(trees, node_ids) if self.policy_features else None
+        if not self.text_buckets:
+            assert states is not None
+            return states
+        text = [
+            torch.stack([ngram_features(t.token_ids(n), self.text_buckets) for n in nodes])
+            if len(nodes)
+            else torch.zeros(0, self.text_buckets)
+            for t, nodes in zip(trees, node_ids, strict=True)
+        ]
+        return text if states is None else [torch.cat(pair, dim=1) for pair in zip(states, text, strict=True)]
+
+    def _states(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The policy-state part of every requested row [n_i, policy_width]."""
         reads: dict[tuple[int, int], list[int]] = {}  # (tree, node whose path is run) -> prefixes read on it
         for ti, (tree, nodes) in enumerate(zip(trees, node_ids, strict=True)):
             owner = tree.owner_leaf()
@@ -75,7 +115,7 @@ class PrefixScorer:
         for start in range(0, len(jobs), SCORE_BATCH_SIZE):
             found.update(self._read_chunk(trees, jobs[start : start + SCORE_BATCH_SIZE]))
         return [
-            torch.stack([found[(ti, n)] for n in nodes]) if len(nodes) else torch.zeros(0, self.width)
+            torch.stack([found[(ti, n)] for n in nodes]) if len(nodes) else torch.zeros(0, self.policy_width)
             for ti, nodes in enumerate(node_ids)
         ]
 

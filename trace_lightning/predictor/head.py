@@ -9,27 +9,32 @@ from torch import nn
 class SuccessHead(nn.Module):
     """features [K, F] -> logit of P(success | prefix) [K].
 
-    The features are the hidden state at the prefix's last token, optionally followed by
-    `extra` prompt statistics (see `data.py`). With `standardize`, a `FeatureScaler` fitted across
-    prompts comes first; otherwise a LayerNorm (the original head).
+    A row is [the policy's states at the prefix (`hidden_size`) ; `extra` prompt statistics ; `raw`
+    binary text features]. The first two parts are normalised: with `standardize`, by a `FeatureScaler`
+    fitted across prompts, otherwise by a LayerNorm (the original head). The text part (0/1 presence of
+    hashed n-grams) enters as it is: a standardiser would blow up a column that no root has.
     """
 
-    def __init__(self, hidden_size: int, width: int = 256, extra: int = 0, standardize: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, width: int = 256, extra: int = 0, standardize: bool = False, raw: int = 0
+    ) -> None:
         super().__init__()
         if width < 1:
             raise ValueError(f"predictor.width={width} must be >= 1")
-        size = hidden_size + extra
-        self.scaler = FeatureScaler(size) if standardize else None
-        self.net = nn.Sequential(
-            nn.Identity() if standardize else nn.LayerNorm(size),
-            nn.Linear(size, width),
+        self.scaled = hidden_size + extra
+        self.scaler = FeatureScaler(self.scaled) if standardize else None
+        self.net = nn.Sequential(  # the layout (and state-dict keys) of the original head
+            nn.Identity() if standardize or not self.scaled else nn.LayerNorm(self.scaled),
+            nn.Linear(self.scaled + raw, width),
             nn.GELU(),
             nn.Linear(width, 1),
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = features.detach().float()
-        return self.net(self.scaler(x) if self.scaler is not None else x).squeeze(-1)  # [K]
+        scaled, raw = x[:, : self.scaled], x[:, self.scaled :]
+        scaled = self.net[0](self.scaler(scaled) if self.scaler is not None else scaled)
+        return self.net[1:](torch.cat([scaled, raw], dim=1)).squeeze(-1)  # [K]
 
 
 def gather_positions(hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

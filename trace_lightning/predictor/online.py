@@ -35,8 +35,9 @@ class IterationScorer:
     def __call__(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         out = []
         for tree, nodes, f in zip(trees, node_ids, self.scorer.features(trees, node_ids), strict=True):
-            if self.scorer.posterior_features:
-                f = torch.cat([f, self._posterior(tree.task_id).expand(len(f), -1)], dim=1)
+            if self.scorer.posterior_features:  # after the policy states, before the text columns
+                cut, post = self.scorer.policy_width, self._posterior(tree.task_id).expand(len(f), -1)
+                f = torch.cat([f[:, :cut], post, f[:, cut:]], dim=1)
             self.features.update({(tree.task_id, int(n)): row for n, row in zip(nodes, f, strict=True)})
             prior = np.repeat(self.prior.mean([tree.task_id]), len(nodes))
             out.append(prior if self.use_prior else self.scorer.predict(f))
@@ -63,7 +64,7 @@ def refit(
     if scaler is not None:
         roots = [features[(t.task_id, 0)] for t in pool if (t.task_id, 0) in features]
         if roots:
-            scaler.update(torch.stack(roots))
+            scaler.update(torch.stack(roots)[:, : scaler.mean.numel()])  # the standardised columns
     for tree in trees:
         entry = replay_entry(tree, features, iteration)
         if entry is not None:

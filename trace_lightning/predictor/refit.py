@@ -36,6 +36,8 @@ class PredictorFit:
     visit replaces them), and a fit uses the prompts seen within the last `window` iterations. `steps`
     minibatch steps of weighted MSE run with the head's own AdamW, whose state is checkpointed here.
     `steps = 0` disables the refit (the head then learns only from the joint loss, `predictor.coef`).
+    With `label_decay` < 1 an entry's weights shrink by that factor per iteration of age: the policy
+    has moved since older labels were drawn (issue 20).
     """
 
     steps: int = 50
@@ -44,8 +46,11 @@ class PredictorFit:
     lr: float = 1e-3
     seed: int = 0
     replay: dict[int, ReplayEntry] = field(default_factory=dict)
+    label_decay: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 < self.label_decay <= 1:
+            raise ValueError(f"predictor.label_decay={self.label_decay} must be in (0, 1] (1: no decay)")
         if self.steps < 0 or self.window < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(
                 f"predictor.refit_steps={self.steps} (>= 0), predictor.replay_window={self.window} "
@@ -65,7 +70,9 @@ class PredictorFit:
         self.replay = {t: e for t, e in self.replay.items() if e.iteration > iteration - self.window}
         if not kept:
             return torch.zeros(0, 0), torch.zeros(0), torch.zeros(0)
-        return tuple(torch.cat([getattr(e, k) for e in kept]) for k in ("features", "targets", "weights"))  # type: ignore[return-value]
+        ages = [self.label_decay ** (iteration - e.iteration) for e in kept]
+        weights = torch.cat([e.weights * age for e, age in zip(kept, ages, strict=True)])
+        return torch.cat([e.features for e in kept]), torch.cat([e.targets for e in kept]), weights
 
     def fit(self, head: nn.Module, iteration: int) -> float:
         """`steps` head-only steps on the replay; the mean training loss of the last step (NaN: no data)."""
