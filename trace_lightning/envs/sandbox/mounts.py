@@ -39,7 +39,8 @@ def proc_masks() -> tuple[tuple[str, ...], tuple[str, ...]]:
     Read from the trainer's /proc (the same kernel as the jail's), e.g. `/proc/cmdline`, `/proc/diskstats`,
     `/proc/sys` (the boot id, sysctls).
     """
-    dirs, files = [], []
+    dirs: list[str] = []
+    files: list[str] = []
     for name in sorted(os.listdir("/proc")):
         path = f"/proc/{name}"
         if name.isdigit() or name in _JAIL_OWN or os.path.islink(path):
@@ -80,7 +81,7 @@ def cap_scratch_inodes(child: int, inodes: int, timeout: float) -> bool:
     try:
         value = str(inodes).encode()
         done = libc.syscall(_FSCONFIG, fd, _FSCONFIG_SET_STRING, b"nr_inodes", value, 0) == 0
-        return done and libc.syscall(_FSCONFIG, fd, _FSCONFIG_CMD_RECONFIGURE, None, None, 0) == 0
+        return done and bool(libc.syscall(_FSCONFIG, fd, _FSCONFIG_CMD_RECONFIGURE, None, None, 0) == 0)
     finally:
         os.close(fd)
 

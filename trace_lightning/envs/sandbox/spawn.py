@@ -103,7 +103,9 @@ def _memfd(name: str, data: bytes) -> Any:
         os.close(fd)
 
 
-def start(command: list[str], cwd: str, pipes: Pipes, fds: list[int], uid: int | None) -> subprocess.Popen:
+def start(
+    command: list[str], cwd: str, pipes: Pipes, fds: list[int], uid: int | None
+) -> subprocess.Popen[bytes]:
     """Start the command with the pipes' child ends (closed here once the child has them)."""
     ends = pipes.child_ends
     try:
@@ -164,7 +166,7 @@ def wait(pid: int, pipes: Pipes, wall_seconds: float, jail_init: int | None) -> 
     return started, _parse_report(data[len(worker.STARTED) :], exited)
 
 
-def reap(proc: subprocess.Popen) -> None:
+def reap(proc: subprocess.Popen[bytes]) -> None:
     """Leave nothing of the call alive: its process group, then the process itself."""
     kill_group(proc.pid)
     proc.wait()
