@@ -758,3 +758,16 @@ def test_a_launcher_that_never_reports_is_killed_by_the_backstop(
     assert result.timed_out and result.exit_code is None and result.error == "timed out after 2 s"
     assert LIMITS.wall_seconds + 2.0 <= seconds < DEADLINE
     assert _descendants(os.getpid()) - {world.victim.pid} == set() and _with_token(world.token) == []
+
+
+def test_a_jail_built_but_too_slow_to_start_its_launcher_is_a_time_out(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded machine: bwrap built the jail, but its launcher had not even reported its start by the
+    backstop. That is the call timing out, not a broken jail (which would refuse the tool)."""
+    require_bwrap()
+    silent = f"import subprocess, time\nsubprocess.Popen(['sleep', '{world.token}'])\ntime.sleep(60)\n"
+    monkeypatch.setattr(spawn, "launcher_source", lambda: silent.encode())
+    result = run_python("print('never runs')", LIMITS)
+    assert result.timed_out and result.exit_code is None and result.error == "timed out after 2 s"
+    assert _descendants(os.getpid()) - {world.victim.pid} == set() and _with_token(world.token) == []

@@ -60,7 +60,7 @@ def usr_masks(python: str) -> tuple[str, ...]:
     return tuple(arg for path in hidden for arg in ("--tmpfs", path, "--remount-ro", path))
 
 
-def cap_scratch_inodes(child: int, inodes: int, timeout: float) -> bool:
+def cap_scratch_inodes(child: int, inodes: int, deadline: float) -> bool:
     """Set the jail's scratch tmpfs to at most `inodes` files (its nr_inodes), reached through
     /proc/<child>/root while bwrap waits on its block fd; True when it is set.
 
@@ -70,7 +70,7 @@ def cap_scratch_inodes(child: int, inodes: int, timeout: float) -> bool:
     """
     if os.geteuid() != 0:
         return False
-    scratch = _jail_scratch(child, timeout)
+    scratch = _jail_scratch(child, deadline)
     if scratch is None:
         return False  # bwrap failed before it reached its final root; the caller sees it exit
     libc = ctypes.CDLL(None, use_errno=True)
@@ -86,11 +86,10 @@ def cap_scratch_inodes(child: int, inodes: int, timeout: float) -> bool:
         os.close(fd)
 
 
-def _jail_scratch(child: int, timeout: float) -> str | None:
+def _jail_scratch(child: int, deadline: float) -> str | None:
     """/proc/<child>/root/scratch once the jail's init has its final root (not the host's, with the program
-    in place), or None if it exits or takes longer than `timeout`."""
+    in place), or None if it exits first or `deadline` (time.monotonic) passes."""
     host_root = os.stat("/")
-    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             root = os.stat(f"/proc/{child}/root")

@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,12 @@ def _run_jailed(program: bytes, limits: SandboxLimits) -> SandboxResult:
         command += ["-I", "-S", "-B", LAUNCHER, json.dumps(_worker_config(limits))]
         proc = spawn.start(command, "/", pipes, list(fds.values()), host_uid())
         stack.callback(spawn.reap, proc)
-        jail_init = _enter_group(proc.pid, pipes, group, limits)
-        started, status = spawn.wait(proc.pid, pipes, limits.wall_seconds, jail_init)
-        if not started:
+        deadline = time.monotonic() + limits.wall_seconds + BACKSTOP_SECONDS  # the trainer's own clock
+        jail_init = _enter_group(proc.pid, pipes, group, limits, deadline)
+        started, status = spawn.wait(proc.pid, pipes, deadline, jail_init)
+        if not started and not (jail_init is not None and status["timed_out"]):
+            # bwrap ended by itself before the launcher ran: the jail is broken. (A jail built but killed at
+            # the deadline before its launcher ran, on a machine too loaded to start it, is a time-out.)
             raise JailUnavailableError(
                 f"bubblewrap could not set up the jail or start env.sandbox.python={limits.python!r} in it: "
                 f"{pipes.stderr.text(500).strip()!r}. To fix: {INSTALL_HINT}"
@@ -121,18 +125,20 @@ def _run_jailed(program: bytes, limits: SandboxLimits) -> SandboxResult:
         return _result(status, pipes, limits, oom_kills=group.oom_kills(), jailed=True)
 
 
-def _enter_group(bwrap_pid: int, pipes: Pipes, group: CallGroup, limits: SandboxLimits) -> int | None:
+def _enter_group(
+    bwrap_pid: int, pipes: Pipes, group: CallGroup, limits: SandboxLimits, deadline: float
+) -> int | None:
     """While bwrap waits on its block pipe, with the jail built but the launcher not started: move bwrap and
     the jail's init into the call's group (so all the program starts is born there), cap the scratch's
     files, then let it go. Returns the jail's init (host pid), or None if bwrap failed before making it;
     a bwrap that is not in the group is never let go (the wait then finds it killed, and never started)."""
-    jail_init = spawn.jail_init(pipes.info, limits.wall_seconds + BACKSTOP_SECONDS)
+    jail_init = spawn.jail_init(pipes.info, deadline)
     if jail_init is None:
         spawn.kill_group(bwrap_pid)
         return None
     group.add(bwrap_pid)
     group.add(jail_init)
-    cap_scratch_inodes(jail_init, limits.scratch_inodes, BACKSTOP_SECONDS)
+    cap_scratch_inodes(jail_init, limits.scratch_inodes, deadline)
     with contextlib.suppress(BrokenPipeError):  # bwrap died in its set-up; the wait sees it
         os.write(pipes.block, b"go")
     return jail_init
@@ -148,7 +154,8 @@ def _run_unjailed(program: bytes, limits: SandboxLimits) -> SandboxResult:
             command = [sys.executable, "-I", "-S", "-B", worker.__file__, json.dumps(_worker_config(limits))]
             proc = spawn.start(command, scratch, pipes, [], None)
             stack.callback(spawn.reap, proc)
-            _, status = spawn.wait(proc.pid, pipes, limits.wall_seconds, None)
+            deadline = time.monotonic() + limits.wall_seconds + BACKSTOP_SECONDS
+            _, status = spawn.wait(proc.pid, pipes, deadline, None)
             return _result(status, pipes, limits, oom_kills=0, jailed=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

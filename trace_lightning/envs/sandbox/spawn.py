@@ -128,11 +128,12 @@ def start(
         pipes.close_child_ends()  # the child has its copies; ours would keep the pipes open forever
 
 
-def jail_init(info: int, seconds: float) -> int | None:
-    """The host pid of the jail's init, from bwrap's --info-fd report; None if bwrap ends without one."""
+def jail_init(info: int, deadline: float) -> int | None:
+    """The host pid of the jail's init, from bwrap's --info-fd report; None if bwrap ends without one
+    before `deadline` (time.monotonic)."""
     poller = select.poll()
     poller.register(info, select.POLLIN)
-    deadline, data = time.monotonic() + seconds, b""
+    data = b""
     while not data.rstrip().endswith(b"}"):
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
@@ -146,14 +147,14 @@ def jail_init(info: int, seconds: float) -> int | None:
     return None
 
 
-def wait(pid: int, pipes: Pipes, wall_seconds: float, jail_init: int | None) -> tuple[bool, dict[str, Any]]:
-    """Drain the pipes until the launcher's process exits (at most wall + backstop; then the jail's init is
-    killed, which ends the jail). Returns whether the launcher started, and its report (or what the trainer
-    saw when it had none)."""
+def wait(pid: int, pipes: Pipes, deadline: float, jail_init: int | None) -> tuple[bool, dict[str, Any]]:
+    """Drain the pipes until the launcher's process exits (at most until `deadline`, wall + backstop from its
+    start; then the jail's init is killed, which ends the jail). Returns whether the launcher started, and
+    its report (or what the trainer saw when it had none)."""
     process_fd = os.pidfd_open(pid)
     try:
         captures = [pipes.stdout, pipes.stderr]
-        exited = drain(process_fd, captures, wall_seconds + BACKSTOP_SECONDS)
+        exited = drain(process_fd, captures, deadline - time.monotonic())
         if not exited:
             if jail_init is not None:
                 _kill(jail_init)  # bwrap waits on it, so the pid is not reaped (nor reused) while bwrap lives
