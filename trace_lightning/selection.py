@@ -1,5 +1,5 @@
 """Which prompts Stage 1 sees, and with what success estimates: exploration and calibration around the
-exact V_root program (docs/algorithm.md#exploration-and-the-calibration-gate; each option is our choice,
+exact V_root program (docs/algorithm.md#exploration-and-the-skill-gate; each option is our choice,
 off by default and ablated in benchmarks/learning.py).
 
 A deterministic argmax over a flat or miscalibrated predictor ranks prompts by noise, keeps picking the

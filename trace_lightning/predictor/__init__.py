@@ -51,23 +51,30 @@ class PredictorSettings:
     calibrate: Platt-scale the head's root predictions on the bare outcomes of the last
       calibration_window iterations' roots, predicted before they were seen (`calibration.py`).
     refit_steps / replay_window / refit_batch: the head-only refit after each iteration (0 steps: off).
+
+    The defaults are issue 20's predictor (docs/algorithm.md#the-success-predictor): the head reads the
+    prompt's and the prefix's text and the prompt's own record, not the policy's states, with
+    labels fading by age and calibrated roots. On the learning testbed the policy-state head (now
+    `policy_features=true text_buckets=0 posterior_features=false calibrate=false label_decay=1
+    width=256`) lost its skill online: Spearman 0.36 with the probed success rates against 0.67 for the
+    text head (BENCHMARKS.md "The predictor online").
     """
 
-    width: int = 256
-    lr: float = 1e-3
+    width: int = 64
+    lr: float = 3e-3
     coef: float = 0.0
     weighting: str = "leaves"
     backbone: str | None = None
     standardize: bool = True
     pooling: str = "last_mean"
-    posterior_features: bool = False
-    text_buckets: int = 0
-    policy_features: bool = True
-    label_decay: float = 1.0
-    calibrate: bool = False
+    posterior_features: bool = True
+    text_buckets: int = 1024
+    policy_features: bool = False
+    label_decay: float = 0.8
+    calibrate: bool = True
     calibration_window: int = 8
     refit_steps: int = 50
-    replay_window: int = 8
+    replay_window: int = 16
     refit_batch: int = 256
 
     def __post_init__(self) -> None:
@@ -105,6 +112,19 @@ class PredictorSettings:
                 "predictor.calibrate=true calibrates the refitted head: set predictor.refit_steps > 0"
             )
         self.refit(seed=0)  # its ranges are checked now too
+
+    @classmethod
+    def policy_state(cls, **overrides: object) -> PredictorSettings:
+        """The head on the policy's own states alone (the design before issue 20, which the joint loss
+        `coef > 0` needs): no text, no prompt statistics, no calibration, no label decay."""
+        old = {
+            "policy_features": True,
+            "text_buckets": 0,
+            "posterior_features": False,
+            "calibrate": False,
+            "label_decay": 1.0,
+        }
+        return cls(**(old | overrides))  # type: ignore[arg-type]
 
     def input_size(self, hidden_size: int) -> int:
         """Columns of policy states the scorer reads for a backbone of `hidden_size` (no extras)."""
