@@ -50,31 +50,49 @@ def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
 
 
 def require_bwrap() -> None:
-    """Skip where the python tool's jail cannot run here (bubblewrap missing, or no namespaces allowed);
-    in CI, which installs bubblewrap, fail instead."""
+    """Skip where the python tool's jail cannot run here (bubblewrap missing, or no namespaces allowed), or
+    where it refuses for want of a cgroup (a non-root user without cgroup delegation). In CI, which installs
+    bubblewrap and runs as root, a missing or broken bubblewrap fails instead."""
     import pytest
 
-    problem = _jail_problem()
+    problem, cgroup = _jail_problem()
     if problem is not None:
-        if os.environ.get("CI"):
+        if os.environ.get("CI") and not cgroup:
             pytest.fail(f"{problem}; CI must provide a working bubblewrap (.ci/run installs it)")
         pytest.skip(problem)
 
 
+def require_cgroup() -> None:
+    """Skip where no cgroup can be made for a call (the tool refuses before it starts bwrap)."""
+    import pytest
+
+    from trace_lightning.envs.sandbox.cgroup import CgroupUnavailableError, call_group
+
+    try:
+        with call_group(64 * 2**20, 4):
+            pass
+    except CgroupUnavailableError as err:
+        pytest.skip(f"the python tool refuses to run without a cgroup per call here: {err}")
+
+
 @functools.cache
-def _jail_problem() -> str | None:
+def _jail_problem() -> tuple[str | None, bool]:
+    """(why the jail cannot run here, whether it is for want of a cgroup), or (None, False)."""
     import shutil
 
-    from trace_lightning.envs.jail import JailUnavailableError
     from trace_lightning.envs.sandbox import SandboxLimits, check_sandbox
+    from trace_lightning.envs.sandbox.cgroup import CgroupUnavailableError
+    from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
     if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)"
+        return "bubblewrap is not installed: `apt-get install -y bubblewrap` (or `make system-deps`)", False
     try:
         check_sandbox(SandboxLimits())
+    except CgroupUnavailableError as err:
+        return f"the python tool refuses to run without a cgroup per call here: {err}", True
     except JailUnavailableError as err:
-        return f"bubblewrap cannot build its jail here: {err}"
-    return None
+        return f"bubblewrap cannot build its jail here: {err}", False
+    return None, False
 
 
 # The head as the joint loss trains it (coef > 0 reads the prefix's last state): what most module tests check.

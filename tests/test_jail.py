@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import require_bwrap
+from helpers import require_bwrap, require_cgroup
 
-from trace_lightning.envs import jail, sandbox
-from trace_lightning.envs.jail import JailUnavailableError
 from trace_lightning.envs.math_tool import MathToolEnv
-from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, run_python
+from trace_lightning.envs.sandbox import UNSAFE_NO_JAIL, SandboxLimits, jail, run_python, spawn
+from trace_lightning.envs.sandbox.jail import JailUnavailableError
 
 LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_mb=256, scratch_mb=8, max_processes=16)
 DEADLINE = LIMITS.wall_seconds + 3.0  # the 2 s backstop, plus start-up on a shared 2-core machine
@@ -94,6 +93,27 @@ _WRITE_EACH = (
 )
 _READ_EACH = "for path in {paths}:\n    try: print(open(path).read())\n    " + _SHOW_ERRORS
 
+HOST_WIDE_PROC = ["/proc/cmdline", "/proc/sys/kernel/random/boot_id", "/proc/diskstats", "/proc/partitions"]
+USR_HIDDEN = ("/usr/etc", "/usr/lib/python3/dist-packages", "/usr/local")
+
+
+def _hides_host_proc(observation: str) -> None:
+    """The host's kernel command line, boot id and disk names (read here, outside) are not shown."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    cmdline = Path("/proc/cmdline").read_text().strip()[:40]
+    disks = [line.split()[2] for line in Path("/proc/diskstats").read_text().splitlines() if line.split()]
+    for leaked in (boot_id, cmdline, *(f" {disk} " for disk in disks)):
+        assert not leaked.strip() or leaked not in observation, f"leaked {leaked!r}: {observation}"
+
+
+def _hides_host_usr(observation: str) -> None:
+    """No entry of the host's /usr/etc, dist-packages or /usr/local is listed in the jail."""
+    for folder in USR_HIDDEN:
+        entries = os.listdir(folder) if os.path.isdir(folder) else []
+        shown = [entry for entry in entries if repr(entry) in observation]
+        assert shown == [], f"{folder} shows {shown[:5]}: {observation}"
+
+
 HOSTILE = [
     # -- reading the host's files ---------------------------------------------------------------------
     Hostile(
@@ -127,6 +147,22 @@ HOSTILE = [
         "through /proc/1/root",
         _READ_EACH.format(paths="['/proc/1/root/etc/shadow', '/proc/1/cwd/../../etc/shadow']"),
         check=_never("root:"),
+    ),
+    Hostile(
+        "read host files",
+        "host-wide /proc files",  # issue 23: the kernel command line, boot id, disk counters
+        _READ_EACH.replace("print(open(path).read())", "print(path, repr(open(path).read()[:200]))").format(
+            paths=repr(HOST_WIDE_PROC)
+        ),
+        "/proc/cmdline ''",
+        check=lambda observation: _hides_host_proc(observation),
+    ),
+    Hostile(
+        "read host files",
+        "/usr/etc, dist-packages, /usr/local",
+        "import os\nfor path in $usr_hidden:\n    try: print(path, sorted(os.listdir(path)))\n    "
+        + _SHOW_ERRORS,
+        check=lambda observation: _hides_host_usr(observation),
     ),
     # -- tricks that get past the audit hook --------------------------------------------------------------
     Hostile(
@@ -470,6 +506,7 @@ def world(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host_stdlib: str) -> 
             "trainer": os.getpid(),
             "token": f"{secrets.randbelow(9000) + 1000}.{secrets.randbelow(10**6):06d}",
             "syscalls": repr(SYSCALLS),
+            "usr_hidden": repr(USR_HIDDEN),
         }
         yield World(tmp_path / "canary.txt", pwned, listener, abstract, victim, str(fields["token"]), fields)
     victim.kill()
@@ -611,6 +648,7 @@ def test_without_bwrap_the_tool_refuses_to_start() -> None:
 
 def test_a_bwrap_that_cannot_make_namespaces_is_refused() -> None:
     """bwrap installed but namespaces denied (a container, a sysctl): the named error, with the fix."""
+    require_cgroup()  # made before bwrap starts
     directory = tempfile.mkdtemp(prefix="fake_bwrap_")
     try:
         fake = Path(directory, "bwrap")
@@ -624,6 +662,26 @@ def test_a_bwrap_that_cannot_make_namespaces_is_refused() -> None:
             MathToolEnv(n_tasks=1, python_tool=True, sandbox=limits)
         with pytest.raises(JailUnavailableError, match="could not set up the jail"):
             run_python("print(1)", limits)
+    finally:
+        fake.unlink()
+        os.rmdir(directory)
+
+
+def test_a_bwrap_that_never_builds_the_jail_is_killed_and_never_let_go(world: World) -> None:
+    """A bwrap that never reports its jail is never released from --block-fd outside the call's cgroup:
+    the trainer kills it and refuses (fail closed)."""
+    require_cgroup()
+    directory = tempfile.mkdtemp(prefix="fake_bwrap_")
+    try:
+        fake = Path(directory, "bwrap")
+        fake.write_text(f"#!/bin/sh\nexec sleep {world.token}\n")
+        fake.chmod(0o755)
+        os.chmod(directory, 0o755)
+        start = time.monotonic()
+        with pytest.raises(JailUnavailableError, match="could not set up the jail"):
+            run_python("print(1)", SandboxLimits(bwrap=str(fake), wall_seconds=1.0))
+        assert time.monotonic() - start < 1.0 + 2.0 + 3.0
+        assert _with_token(world.token) == []
     finally:
         fake.unlink()
         os.rmdir(directory)
@@ -668,7 +726,7 @@ def test_the_seccomp_filter_is_what_refuses_ptrace_and_keyctl(monkeypatch: pytes
     )
     limits = SandboxLimits(**{**LIMITS.__dict__, "audit_hook": False})
     assert run_python(code, limits).output == "ptrace -1 keyctl False\n"
-    monkeypatch.setattr(sandbox, "seccomp_program", _allow_all_filter)
+    monkeypatch.setattr(spawn, "seccomp_program", _allow_all_filter)
     assert run_python(code, limits).output == "ptrace 0 keyctl True\n"
 
 
@@ -693,10 +751,23 @@ def test_a_launcher_that_never_reports_is_killed_by_the_backstop(
         "import os, subprocess, sys, time\nos.write(int(sys.argv[-1]), b'S')\n"
         f"subprocess.Popen(['sleep', '{world.token}'])\ntime.sleep(60)\n"
     )
-    monkeypatch.setattr(sandbox, "_launcher_source", lambda: stuck.encode())
+    monkeypatch.setattr(spawn, "launcher_source", lambda: stuck.encode())
     start = time.monotonic()
     result = run_python("print('never runs')", LIMITS)
     seconds = time.monotonic() - start
     assert result.timed_out and result.exit_code is None and result.error == "timed out after 2 s"
     assert LIMITS.wall_seconds + 2.0 <= seconds < DEADLINE
+    assert _descendants(os.getpid()) - {world.victim.pid} == set() and _with_token(world.token) == []
+
+
+def test_a_jail_built_but_too_slow_to_start_its_launcher_is_a_time_out(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded machine: bwrap built the jail, but its launcher had not even reported its start by the
+    backstop. That is the call timing out, not a broken jail (which would refuse the tool)."""
+    require_bwrap()
+    silent = f"import subprocess, time\nsubprocess.Popen(['sleep', '{world.token}'])\ntime.sleep(60)\n"
+    monkeypatch.setattr(spawn, "launcher_source", lambda: silent.encode())
+    result = run_python("print('never runs')", LIMITS)
+    assert result.timed_out and result.exit_code is None and result.error == "timed out after 2 s"
     assert _descendants(os.getpid()) - {world.victim.pid} == set() and _with_token(world.token) == []
