@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trace_lightning.checkpoint_files import clean_stale_temps, temp_path
-from trace_lightning.checkpoint_io import AtomicCheckpointIO
+from trace_lightning.checkpoints.files import clean_stale_temps, temp_path
+from trace_lightning.checkpoints.plugin import AtomicCheckpointIO
 
 RANK_STATES = "trace_rank_datamodule"  # checkpoint key: each process's DataModule state, by rank
 
@@ -42,7 +42,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     `ModelParallelStrategy` writes distributed checkpoints itself, past any CheckpointIO plugin, so
     `save_checkpoint` and `load_checkpoint` are where this run's checkpoint rules are applied to them:
     written into a temporary folder, checked, digested, renamed, listed in the manifest and pruned
-    (`checkpoint_shards`), and validated before any of it is loaded.
+    (`checkpoints.shards`), and validated before any of it is loaded.
     """
 
     def __init__(self, devices: int, num_nodes: int = 1) -> None:

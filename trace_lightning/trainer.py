@@ -24,15 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import TreeAllocator
-from trace_lightning.checkpoint_files import Manifest
-from trace_lightning.checkpoint_io import AtomicCheckpointIO
 from trace_lightning.checkpoints import (
+    AtomicCheckpointIO,
     CheckpointError,
     check_resumable,
     check_shapes,
     newest_valid_checkpoint,
     validate_checkpoint,
 )
+from trace_lightning.checkpoints.files import Manifest
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.models import build_policy
 from trace_lightning.module import TraceModule

@@ -1,71 +1,32 @@
-"""Checkpoints that a long RL run can trust: they cannot run code, and a damaged one is named, not used.
+"""Whether a checkpoint can be resumed from: `validate_checkpoint` and the checks against this run.
 
-Loading never unpickles an arbitrary object. Before `torch.load(weights_only=True)` runs, the pickle
-inside the checkpoint's zip is read opcode by opcode (nothing executes) and every global it imports
-must be in `ALLOWED_GLOBALS`: an ordered dict, a tensor and its storage. That is all a Lightning
-checkpoint of this project holds; the rest is dicts, lists, str, int (numpy's RNG state is big ints),
-float, bool and None. So a pickle that model-written code planted in `checkpoints/` is refused before
-it could run, whatever torch's own allow-list has been widened to by other libraries.
-
-What else is checked before use (`validate_checkpoint`), each failure a `CheckpointError` whose
-`reason` and message name the problem: the SHA-256 digest written beside the file, the Lightning
-keys, and that no weight or optimizer tensor is NaN or inf. `check_resumable` then compares the
-config fingerprint (model, adapter, allocator, env, predictor) and the weight shapes with this run's.
-
-`checkpoint_io.AtomicCheckpointIO` writes each checkpoint atomically with its digest, lists it in the
-folder's manifest (`checkpoint_files.Manifest`) and prunes old ones. `newest_valid_checkpoint`
-(`ckpt_path=last`) considers only files in the manifest, so another run's file there is never chosen.
-
-Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
-weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
-engine samples with, iteration counter, cold-start prior), so the next iteration is the one an
-uninterrupted run would have sampled. A SIGTERM checkpoint is taken at a batch boundary inside an
-iteration; resuming from it drops the rest of that iteration's batches (see
-`RolloutDataModule.train_dataloader`) and continues with the next iteration.
+Before use (`validate_checkpoint`), each failure a `CheckpointError` whose `reason` and message name
+the problem: the SHA-256 digest written beside the file, the pickle scan (`scan.refused_global`), the
+Lightning keys, and that no weight or optimizer tensor is NaN or inf. A sharded folder goes through
+`shards.validate_folder`, the same checks file by file. `check_resumable` then compares the config
+fingerprint (model, adapter, allocator, env, predictor), and `check_shapes` the weight shapes, with
+this run's. `newest_valid_checkpoint` (`ckpt_path=last`) considers only the files in the folder's
+manifest (`files.Manifest`), so another run's file there is never chosen.
 """
 
 from __future__ import annotations
 
-import pickletools
-import zipfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from trace_lightning.checkpoint_files import Manifest, digest_path, sha256_file
+from trace_lightning.checkpoints.files import Manifest, digest_path, sha256_file
+from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, refused_global
+from trace_lightning.checkpoints.shards import validate_folder
 
-REQUIRED_KEYS = ("state_dict", "epoch", "global_step")
-_STORAGES = ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool")
-ALLOWED_GLOBALS = frozenset(
-    {
-        "collections OrderedDict",  # a module's state_dict
-        "torch._utils _rebuild_tensor_v2",
-        "torch._utils _rebuild_parameter",
-        *(f"torch {t}Storage" for t in _STORAGES),
-    }
-)
-# Opcodes that import or build objects without naming them in a GLOBAL: torch.save never writes them.
-_REFUSED_OPCODES = frozenset({"STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"})
 ALLOW_CHANGE_KEY = "checkpoints.allow_config_change"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; `reason` is a short name, the message says what to do."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def validate_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint on the CPU after every check above, or raise `CheckpointError` naming the file."""
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): the same checks, file by file
-        from trace_lightning.checkpoint_shards import validate_folder
-
         return validate_folder(path)
     if not path.is_file():
         raise CheckpointError(
@@ -117,24 +78,6 @@ def _check_pickle(path: Path) -> None:
             f"checkpoint {path} refused: its pickle imports {refused!r}, which no checkpoint of this "
             "trainer holds (it may be a planted file that would run code); delete it",
         )
-
-
-def refused_global(path: Path | IO[bytes]) -> str | None:
-    """The first import in the checkpoint's pickle that is not allow-listed, or None."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickles = [n for n in archive.namelist() if n.endswith(".pkl")]
-            if len(pickles) != 1 or not pickles[0].endswith("/data.pkl"):
-                return f"<an archive with pickles {pickles}, not one torch.save wrote>"
-            ops = list(pickletools.genops(archive.read(pickles[0])))
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
-        raise CheckpointError(
-            "corrupt", f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err})"
-        ) from err
-    for op, arg, _ in ops:
-        if op.name in _REFUSED_OPCODES or (op.name == "GLOBAL" and arg not in ALLOWED_GLOBALS):
-            return str(arg or op.name)
-    return None
 
 
 def _check_finite(path: Path, ckpt: dict[str, Any]) -> None:
@@ -213,17 +156,3 @@ def newest_valid_checkpoint(directory: str | Path) -> Path | None:
             continue
         return Path(directory) / name
     return None
-
-
-class SaveOnSigterm(L.Callback):
-    """On SIGTERM Lightning stops at the next batch boundary with a SIGTERMException; save first."""
-
-    def __init__(self, dirpath: str) -> None:
-        self.dirpath = Path(dirpath)
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        if isinstance(exception, SIGTERMException):
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(self.dirpath / "sigterm.ckpt")
