@@ -3,7 +3,8 @@
 Loading never unpickles an arbitrary object: the pickle inside a checkpoint is read opcode by opcode
 (nothing executes) and every global it imports must be allow-listed before `torch.load(weights_only=
 True)` runs. A SHA-256 digest written beside each file, a fingerprint of the config that wrote it and
-a manifest of the run's files say whether it may be resumed from.
+a manifest of the run's files say whether it may be resumed from. Every file is read once into
+memory, and its digest, its scan and its load all use those bytes (issue 23).
 
 Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
 weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
@@ -18,7 +19,8 @@ The modules, each importing only those above it (issue 25 opened the circle betw
 - `files`: the files beside a checkpoint (digest, manifest, temporary files), atomic small writes;
 - `shards`: sharded (FSDP2, torch.distributed.checkpoint) folders under the same rules;
 - `validate`: `validate_checkpoint`, the checks against this run, `newest_valid_checkpoint`;
-- `plugin`: `AtomicCheckpointIO`, the Lightning plugin that writes, prunes and loads; `SaveOnSigterm`.
+- `plugin`: `AtomicCheckpointIO`, the Lightning plugin that writes, prunes and loads; `SaveOnSigterm`;
+- `convert`: `python -m trace_lightning.checkpoints.convert`, a sharded folder as one file.
 
 The old module paths (`trace_lightning.checkpoint_io`, `checkpoint_files`, `checkpoint_shards`) and
 this package's names (`trace_lightning.checkpoints.SaveOnSigterm`, a `_target_` in

@@ -1,7 +1,9 @@
 """The files beside a checkpoint: its SHA-256 digest, the folder's manifest, and temporary files.
 
 A checkpoint folder holds, for every checkpoint `<name>.ckpt` a run wrote, a digest `<name>.ckpt.sha256`
-and one entry in `manifest.json` (oldest first), which also names the run that owns the folder. Every
+and one entry in `manifest.json` (oldest first), which also names the run that owns the folder. An
+entry is a plain name in that folder, never a path or a link out of it (issue 23: a `../`, absolute
+or symlinked entry led `ckpt_path=last` into another run's checkpoint). Every
 one of these files is written to `.<name>.tmp-<pid>` and renamed into place, so a crash leaves either
 the old file or the new one, plus at worst a temporary file that `clean_stale_temps` removes later.
 """
@@ -15,6 +17,8 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trace_lightning.checkpoints.scan import CheckpointError
 
 MANIFEST = "manifest.json"
 _TMP = re.compile(r"^\..+\.tmp-(\d+)$")
@@ -72,6 +76,19 @@ def clean_stale_temps(directory: Path) -> list[Path]:
     return removed
 
 
+def check_plain_entry(directory: Path, name: str, listing: Path) -> None:
+    """`name`, listed in `listing`, must be a file or folder directly in `directory`: no separator, no
+    `..`, not absolute, not a symbolic link (our writers never list anything else)."""
+    plain = name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    if not plain or (directory / name).is_symlink():
+        raise CheckpointError(
+            "unsafe_entry",
+            f"{listing} lists {name!r}, which is not a plain file in {directory} (a path, a `..` or a "
+            "symbolic link leading out of the folder; this trainer never writes one): the listing was "
+            "edited; delete that entry, or resume from an explicit ckpt_path=<file>",
+        )
+
+
 @dataclass
 class Manifest:
     """The checkpoints one run wrote into a folder, oldest first; `ckpt_path=last` reads only these."""
@@ -86,9 +103,12 @@ class Manifest:
             return None
         try:
             raw = json.loads(path.read_text())
-            return Manifest(run=str(raw["run"]), files=[str(f) for f in raw["files"]])
+            manifest = Manifest(run=str(raw["run"]), files=[str(f) for f in raw["files"]])
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is not a checkpoint manifest ({err}); delete it to start over") from err
+        for name in manifest.files:
+            check_plain_entry(directory, name, path)
+        return manifest
 
     def write(self, directory: Path) -> None:
         write_atomic(directory / MANIFEST, json.dumps({"run": self.run, "files": self.files}).encode())

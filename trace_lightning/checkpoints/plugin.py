@@ -3,7 +3,8 @@
 Save: plain state (no numpy), torch.save to `.<file>.tmp-<pid>` in the same folder (a rename across
 filesystems would be a copy that a crash can leave half-written), fsync, a check that the loader
 would accept it, rename; then the digest, the manifest entry, and pruning to `keep_last`.
-Load: `validate.validate_checkpoint`, whatever `weights_only` Lightning asks for.
+Load: `validate.validate_checkpoint` (one read into memory; digest, scan and load from those bytes),
+whatever `weights_only` Lightning asks for; the state checked at build is reused if the file is unchanged.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def stamp(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The state as saved: plain values, and this run's id and config fingerprint."""
-        return {**plain_state(checkpoint), "trace_run": {"run": self.run, "fingerprint": self.fingerprint}}
+        stamp = {**checkpoint.get("trace_run", {}), "run": self.run, "fingerprint": self.fingerprint}
+        return {**plain_state(checkpoint), "trace_run": stamp}
 
     def publish_folder(self, staging: Path, path: Path) -> None:
         """A sharded checkpoint written to `staging` (sharding.FSDP2Strategy): checked as the loader

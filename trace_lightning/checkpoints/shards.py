@@ -5,28 +5,54 @@ writes with torch.distributed.checkpoint (DCP): one `__<rank>_0.distcp` file of 
 the DCP index `.metadata`, and `meta.pt` (loops, callbacks, DataModule state, the run's fingerprint).
 Beside the folder, `<name>.ckpt.sha256` lists the SHA-256 of every file in it.
 
-DCP itself unpickles `.metadata` with `pickle.load` and every non-tensor item (optimizer
-hyperparameters) with `torch.load(weights_only=False)`, so each of those is checked before DCP reads
-anything: `.metadata` is unpickled with only DCP's own index classes allowed, and every item in the
-shard files must be a torch.save pickle of allow-listed globals (`scan.refused_global`).
-Tensor items must be finite. A failure is a `CheckpointError` naming the file (and the item).
+DCP's own reader unpickles `.metadata` with `pickle.load` and every non-tensor item (optimizer
+hyperparameters) with `torch.load(weights_only=False)`. Neither runs here (issue 23): `.metadata` is
+unpickled with only DCP's index classes allowed, every item is a torch.save archive loaded by
+`scan.load_archive`, and both validation and loading (`load_sharded`, `load_full`) read each file
+once into memory and use it only if its bytes have the SHA-256 the digest list gave at validation,
+so a file rewritten between the check and the load is refused, not loaded. The folder may hold only
+the files its digest list names, plain files, no links; every file the index names must be one of
+them. A failure is a `CheckpointError` naming the file (and the item).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import pickle
+import re
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.futures import Future
 
-from trace_lightning.checkpoints.files import digest_path, sha256_file
-from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, refused_global
+from trace_lightning.checkpoints.files import check_plain_entry, digest_path
+from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, load_archive, refuse_non_finite
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state of a distributed checkpoint
 INDEX_FILE = ".metadata"  # DCP's
+RANK_STATES = "trace_rank_datamodule"  # meta.pt key: each process's DataModule state, by rank
+VERIFIED = "trace_verified_shards"  # key of the `VerifiedFolder` in what `validate_folder` returns
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP: one per rank (and writer thread)
 # The classes DCP's index is made of (torch 2.13), and the builtins their fields use.
 _DCP = "torch.distributed.checkpoint.metadata"
 INDEX_GLOBALS = frozenset(
@@ -55,54 +81,68 @@ INDEX_GLOBALS = frozenset(
 
 def write_digests(folder: Path) -> bytes:
     """`<sha256>  <file>` for every file of the folder, sorted: the text of `<folder>.sha256`."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return "".join(f"{sha256_file(p)}  {p.relative_to(folder)}\n" for p in files).encode()
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return "".join(f"{_sha256(p.read_bytes())}  {p.name}\n" for p in files).encode()
 
 
-def validate_folder(path: Path, check_digests: bool = True, check_finite: bool = True) -> dict[str, Any]:
-    """The checkpoint's `meta.pt` content plus "state_dict": {name: meta tensor of the saved shape}, after
-    every check in the module docstring; `CheckpointError` naming the file otherwise."""
-    if check_digests:
-        _check_digests(path)
-    meta = _load_meta(path)
-    index = _load_index(path)
-    _check_items(path, index, check_finite)
-    return {**meta, "state_dict": _shapes(index)}
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def _check_digests(path: Path) -> None:
-    listing = digest_path(path.resolve())
-    if not listing.is_file():
-        raise CheckpointError(
-            "no_digest",
-            f"sharded checkpoint {path} has no digest list {listing.name} beside it, so it was not written "
-            "by this trainer (or its save was cut short); resume from another one (ckpt_path=last)",
-        )
-    expected = dict(reversed(line.split("  ", 1)) for line in listing.read_text().splitlines() if line)
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
-    for name in sorted(present - expected.keys()):
-        raise CheckpointError("digest_mismatch", f"{path / name} is not listed in {listing.name}: delete it")
-    for name, digest in sorted(expected.items()):
-        if name not in present or sha256_file(path / name) != digest:
+@dataclass(frozen=True)
+class VerifiedFolder:
+    """A sharded checkpoint folder and the SHA-256 of each of its files, as validated. `read` returns a
+    file's bytes only if they still have that digest (`digests` None: a staging folder at save, whose
+    digests are not written yet, read as it is)."""
+
+    path: Path
+    digests: Mapping[str, str] | None
+
+    @property
+    def processes(self) -> int:
+        """How many processes wrote it: DCP writes one `__<rank>_0.distcp` file per rank."""
+        names = self.digests.keys() if self.digests is not None else os.listdir(self.path)
+        return len({m.group(1) for n in names if (m := _SHARD_FILE.match(n))})
+
+    def read(self, name: str) -> bytes:
+        if self.digests is not None and name not in self.digests:
+            raise CheckpointError(
+                "unlisted_file",
+                f"sharded checkpoint {self.path} names {name!r}, which its digest list does not cover "
+                "(a path out of the folder, or a file added later): delete this checkpoint",
+            )
+        try:
+            data = (self.path / name).read_bytes()
+        except OSError as err:
+            raise CheckpointError("missing", f"shard file {self.path / name} cannot be read ({err})") from err
+        if self.digests is not None and _sha256(data) != self.digests[name]:
             raise CheckpointError(
                 "digest_mismatch",
-                f"shard file {path / name} is missing or does not match its SHA-256 in {listing.name}: its "
-                "bytes changed after it was written (disk corruption or tampering); resume from another "
-                "checkpoint (ckpt_path=last)",
+                f"shard file {self.path / name} is missing or does not match its SHA-256 in "
+                f"{digest_path(self.path).name}: its bytes changed after it was written (disk corruption or "
+                "tampering); resume from another checkpoint (ckpt_path=last)",
             )
+        return data
 
-
-def _load_meta(path: Path) -> dict[str, Any]:
-    file = path / META_FILE
-    _refuse(file, file)
-    try:
-        meta = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError("corrupt", f"checkpoint file {file} is truncated or corrupt ({err})") from err
-    missing = [k for k in REQUIRED_KEYS if k != "state_dict" and k not in meta]
-    if missing:
-        raise CheckpointError("not_lightning", f"{file} is not a Lightning checkpoint (missing {missing})")
-    return dict(meta)
+    def index(self) -> Metadata:
+        """DCP's index, unpickled from the checked bytes with only DCP's own classes allowed."""
+        file = self.path / INDEX_FILE
+        try:
+            index = _IndexUnpickler(io.BytesIO(self.read(INDEX_FILE))).load()
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                "unsafe_pickle", f"sharded checkpoint index {file} refused ({err}): it may be a planted file"
+            ) from err
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                "corrupt", f"sharded checkpoint index {file} is unreadable ({err})"
+            ) from err
+        if not isinstance(index, Metadata):
+            raise CheckpointError("corrupt", f"sharded checkpoint index {file} is not a DCP index")
+        _check_storage(self, index)
+        return index
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -112,68 +152,94 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _load_index(path: Path) -> Any:
-    file = path / INDEX_FILE
-    try:
-        with open(file, "rb") as f:
-            return _IndexUnpickler(f).load()
-    except pickle.UnpicklingError as err:
+def _check_storage(folder: VerifiedFolder, index: Metadata) -> None:
+    """Every file the index names is a plain file of the folder covered by the digest list, and no
+    item asks for a stream transform (DCP's extensions; this trainer never writes one)."""
+    listing = digest_path(folder.path)
+    for info in index.storage_data.values():
+        check_plain_entry(folder.path, info.relative_path, folder.path / INDEX_FILE)
+        if folder.digests is not None and info.relative_path not in folder.digests:
+            raise CheckpointError(
+                "unlisted_file",
+                f"sharded checkpoint index {folder.path / INDEX_FILE} names {info.relative_path!r}, which "
+                f"{listing.name} does not cover: delete this checkpoint",
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError("corrupt", f"{folder.path / INDEX_FILE} asks for stream transforms")
+
+
+def validate_folder(path: Path, check_digests: bool = True, check_finite: bool = True) -> dict[str, Any]:
+    """The checkpoint's `meta.pt` content plus "state_dict": {name: meta tensor of the saved shape} and,
+    under `VERIFIED`, the folder with its digests (what `load_sharded` reads from), after every check in
+    the module docstring; `CheckpointError` naming the file otherwise."""
+    folder = VerifiedFolder(path, _read_listing(path) if check_digests else None)
+    _check_contents(folder)
+    meta = load_archive(folder.read(META_FILE), path / META_FILE)
+    missing = [
+        k for k in REQUIRED_KEYS if k != "state_dict" and (not isinstance(meta, dict) or k not in meta)
+    ]
+    if missing:
         raise CheckpointError(
-            "unsafe_pickle", f"sharded checkpoint index {file} refused ({err}): it may be a planted file"
-        ) from err
-    except Exception as err:
-        raise CheckpointError("corrupt", f"sharded checkpoint index {file} is unreadable ({err})") from err
+            "not_lightning", f"{path / META_FILE} is not a Lightning checkpoint (missing {missing})"
+        )
+    if check_finite:
+        refuse_non_finite(path / META_FILE, meta)
+    index = folder.index()
+    _check_items(folder, index, check_finite)
+    return {**meta, "state_dict": _shapes(index), VERIFIED: folder}
 
 
-def _check_items(path: Path, index: Any, check_finite: bool) -> None:
-    """Every item DCP would read: an allow-listed torch.save pickle, and a finite tensor where it is one."""
+def _read_listing(path: Path) -> dict[str, str]:
+    listing = digest_path(path.resolve())
+    if not listing.is_file():
+        raise CheckpointError(
+            "no_digest",
+            f"sharded checkpoint {path} has no digest list {listing.name} beside it, so it was not written "
+            "by this trainer (or its save was cut short); resume from another one (ckpt_path=last)",
+        )
+    lines = [line.split("  ", 1) for line in listing.read_text().splitlines() if line]
+    if any(len(parts) != 2 for parts in lines):
+        raise CheckpointError("corrupt", f"digest list {listing} is not `<sha256>  <file>` lines")
+    for _, name in lines:
+        check_plain_entry(path, name, listing)
+    return {name: digest for digest, name in lines}
+
+
+def _check_contents(folder: VerifiedFolder) -> None:
+    """Plain files only (no links, no subfolders), exactly the ones the digest list names."""
+    with os.scandir(folder.path) as entries:
+        found = {e.name: e.is_file(follow_symlinks=False) for e in entries}
+    odd = sorted(name for name, plain in found.items() if not plain)
+    unlisted = sorted(found.keys() - folder.digests.keys()) if folder.digests is not None else []
+    if odd or unlisted:
+        raise CheckpointError(
+            "digest_mismatch",
+            f"sharded checkpoint {folder.path} holds {(odd + unlisted)[:3]}, not plain files listed in "
+            f"{digest_path(folder.path).name}: delete them, or resume from another checkpoint",
+        )
+
+
+def _check_items(folder: VerifiedFolder, index: Metadata, check_finite: bool) -> None:
+    """Every item DCP would read: an allow-listed torch.save archive, finite where it holds floats."""
     by_file: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for key, info in index.storage_data.items():
         by_file[info.relative_path].append((key, info))
     for name, items in sorted(by_file.items()):
-        file = path / name
-        with open(file, "rb") as f:
-            for key, info in sorted(items, key=lambda item: item[1].offset):
-                f.seek(info.offset)
-                data = f.read(info.length)
-                _check_item(file, key.fqn, data, check_finite)
+        data = folder.read(name)
+        for key, info in sorted(items, key=lambda item: item[1].offset):
+            where = f"{folder.path / name} ({key.fqn})"
+            value = load_archive(_item(data, info, where), where)
+            if check_finite:
+                refuse_non_finite(where, value)
 
 
-def _check_item(file: Path, fqn: str, data: bytes, check_finite: bool) -> None:
-    _refuse(io.BytesIO(data), file, fqn)
-    if not check_finite:
-        return
-    try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError("corrupt", f"shard file {file} is corrupt at {fqn} ({err})") from err
-    if (
-        isinstance(value, torch.Tensor)
-        and value.is_floating_point()
-        and not bool(torch.isfinite(value).all())
-    ):
-        raise CheckpointError(
-            "non_finite",
-            f"shard file {file} holds NaN or inf in {fqn}; the run that wrote it had diverged or the file is "
-            "corrupt: resume from an earlier checkpoint",
-        )
+def _item(data: bytes, info: Any, where: str) -> bytes:
+    if info.offset < 0 or info.length < 0 or info.offset + info.length > len(data):
+        raise CheckpointError("corrupt", f"shard item {where} lies outside its file (truncated or corrupt)")
+    return data[info.offset : info.offset + info.length]
 
 
-def _refuse(source: Any, file: Path, item: str = "") -> None:
-    where = f"{file} ({item})" if item else str(file)
-    try:
-        refused = refused_global(source)
-    except CheckpointError as err:
-        raise CheckpointError("corrupt", f"checkpoint file {where} is truncated or corrupt") from err
-    if refused is not None:
-        raise CheckpointError(
-            "unsafe_pickle",
-            f"checkpoint file {where} refused: its pickle imports {refused!r}, which no checkpoint of this "
-            "trainer holds (it may be a planted file that would run code); delete it",
-        )
-
-
-def _shapes(index: Any) -> dict[str, torch.Tensor]:
+def _shapes(index: Metadata) -> dict[str, torch.Tensor]:
     """The saved model weights' shapes, as meta tensors under their module names (for check_shapes)."""
     prefix = "state_dict."
     return {
@@ -181,3 +247,101 @@ def _shapes(index: Any) -> dict[str, torch.Tensor]:
         for key, entry in index.state_dict_metadata.items()
         if key.startswith(prefix) and hasattr(entry, "size")
     }
+
+
+# --------------------------------------------------------------------------- loading from checked bytes
+
+
+class _VerifiedReader(FileSystemReader):
+    """DCP's file reader, but every file comes from `VerifiedFolder.read` (digest-checked, in memory),
+    the index through the allow-listed unpickler and every item through `scan.load_archive`."""
+
+    def __init__(self, folder: VerifiedFolder) -> None:
+        super().__init__(folder.path)
+        self.folder = folder
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.folder.index()
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = defaultdict(list)
+        for request in plan.items:
+            per_file[self.storage_data[request.storage_index].relative_path].append(request)
+        for name, requests in per_file.items():
+            data = self.folder.read(name)
+            for request in requests:
+                where = f"{self.folder.path / name} ({request.storage_index.fqn})"
+                chunk = _item(data, self.storage_data[request.storage_index], where)
+                if request.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(request, io.BytesIO(chunk))  # _SafePlanner: load_archive
+                    continue
+                tensor = narrow_tensor_by_index(
+                    load_archive(chunk, where), request.storage_offsets, request.lengths
+                )
+                target = planner.resolve_tensor(request).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointError(
+                        "shape_mismatch", f"{where}: {tuple(tensor.size())} vs {tuple(target.size())}"
+                    )
+                target.copy_(tensor)
+                planner.commit_tensor(request, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _load_bytes(planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
+    """DefaultLoadPlanner.load_bytes, whose `torch.load(weights_only=False)` is `scan.load_archive` here."""
+    loaded = load_archive(value.getvalue(), read_item.dest_index.fqn)
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's planner for a state of known keys, its non-tensor items loaded safely."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes(self, read_item, value)
+
+
+class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the whole state from the index (dcp_to_torch_save's), loaded safely."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes(self, read_item, value)
+
+
+def load_sharded(
+    folder: VerifiedFolder,
+    module: torch.nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    strict: bool,
+) -> None:
+    """What Lightning's ModelParallelStrategy does to load a sharded checkpoint (its `_load_checkpoint`),
+    reading from checked bytes: the weights into `module`, each optimizer's state by its key
+    (`optimizer_<i>`). With `strict` off, weights the checkpoint does not hold (a LoRA checkpoint's
+    frozen base, issue 22) keep their values."""
+    saved = {k.removeprefix("state_dict.") for k in folder.index().state_dict_metadata}
+    weights = {k: v for k, v in get_model_state_dict(module).items() if strict or k in saved}
+    state: dict[str, Any] = {"state_dict": weights}
+    dcp_load(state, storage_reader=_VerifiedReader(folder), planner=_SafePlanner())
+    module.load_state_dict(state["state_dict"], strict=strict)
+    for key, optimizer in optimizers.items():
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp_load(optim_state, storage_reader=_VerifiedReader(folder), planner=_SafePlanner())
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
+
+
+def load_full(folder: VerifiedFolder) -> dict[str, Any]:
+    """Everything DCP saved, unsharded, in this one process: {"state_dict": {...}, "optimizer_0": ...}
+    (what `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` reads, from checked bytes)."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=_VerifiedReader(folder), planner=_SafeEmptyPlanner(), no_dist=True)
+    return state

@@ -2,29 +2,39 @@
 
 Before use (`validate_checkpoint`), each failure a `CheckpointError` whose `reason` and message name
 the problem: the SHA-256 digest written beside the file, the pickle scan (`scan.refused_global`), the
-Lightning keys, and that no weight or optimizer tensor is NaN or inf. A sharded folder goes through
+Lightning keys, and that no tensor or float in any state (weights, optimizers, the DataModule's prior,
+selection and predictor refit) is NaN or inf. A sharded folder goes through
 `shards.validate_folder`, the same checks file by file. `check_resumable` then compares the config
 fingerprint (model, adapter, allocator, env, predictor), and `check_shapes` the weight shapes, with
-this run's. `newest_valid_checkpoint` (`ckpt_path=last`) considers only the files in the folder's
-manifest (`files.Manifest`), so another run's file there is never chosen.
+this run's, and `check_strategy` that a sharded folder meets the strategy and process count that
+wrote it. `newest_valid` (`ckpt_path=last`) considers only the files the folder's manifest
+(`files.Manifest`) lists as plain names in the folder, and only those written by the manifest's run,
+so another run's file is never chosen.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trace_lightning.checkpoints.files import Manifest, digest_path, sha256_file
-from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, refused_global
-from trace_lightning.checkpoints.shards import validate_folder
+from trace_lightning.checkpoints.files import Manifest, digest_path
+from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, load_archive, refuse_non_finite
+from trace_lightning.checkpoints.shards import VERIFIED, validate_folder
+
+log = logging.getLogger(__name__)
 
 ALLOW_CHANGE_KEY = "checkpoints.allow_config_change"
 
 
 def validate_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint on the CPU after every check above, or raise `CheckpointError` naming the file."""
+    """Load a checkpoint on the CPU after every check above, or raise `CheckpointError` naming the file.
+
+    The file is read once: the digest, the pickle scan and `torch.load` all see the same bytes in
+    memory, so a file rewritten between the check and the load cannot slip in (issue 23)."""
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): the same checks, file by file
         return validate_folder(path)
@@ -32,27 +42,19 @@ def validate_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             "missing", f"checkpoint {path} does not exist; pass ckpt_path=<a .ckpt file> or ckpt_path=last"
         )
-    _check_digest(path)
-    _check_pickle(path)
-    try:
-        # mmap (copy-on-write): tensors are not copied into memory; the digest and NaN checks read them once
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # truncated zip, bad pickle, wrong format: all mean the same to the user
-        raise CheckpointError(
-            "corrupt",
-            f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {err}); "
-            "delete it or resume from another file (ckpt_path=last skips corrupt ones)",
-        ) from err
+    data = path.read_bytes()
+    _check_digest(path, data)
+    ckpt = load_archive(data, path)
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(
             "not_lightning", f"checkpoint {path} is not a Lightning checkpoint (missing {missing})"
         )
-    _check_finite(path, ckpt)
+    refuse_non_finite(path, ckpt)
     return dict(ckpt)
 
 
-def _check_digest(path: Path) -> None:
+def _check_digest(path: Path, data: bytes) -> None:
     digest = digest_path(path.resolve())
     if not digest.is_file():
         raise CheckpointError(
@@ -61,45 +63,12 @@ def _check_digest(path: Path) -> None:
             "trainer (or its save was cut short); resume from another file (ckpt_path=last), or, for a "
             f"file you trust, write one: sha256sum {path} | cut -d' ' -f1 > {digest}",
         )
-    if digest.read_text().strip() != sha256_file(path):
+    if digest.read_text().strip() != hashlib.sha256(data).hexdigest():
         raise CheckpointError(
             "digest_mismatch",
             f"checkpoint {path} does not match its SHA-256 digest {digest.name}: its bytes changed after "
             "it was written (disk corruption or tampering); resume from another file (ckpt_path=last)",
         )
-
-
-def _check_pickle(path: Path) -> None:
-    """Refuse any global outside ALLOWED_GLOBALS; pickletools only parses, it never executes."""
-    refused = refused_global(path)
-    if refused is not None:
-        raise CheckpointError(
-            "unsafe_pickle",
-            f"checkpoint {path} refused: its pickle imports {refused!r}, which no checkpoint of this "
-            "trainer holds (it may be a planted file that would run code); delete it",
-        )
-
-
-def _check_finite(path: Path, ckpt: dict[str, Any]) -> None:
-    """NaN weights or Adam moments would make every later step non-finite (and skipped)."""
-    parts = {"state_dict": ckpt["state_dict"], "optimizer_states": ckpt.get("optimizer_states", [])}
-    for name, tensor in _tensors(parts):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(
-                "non_finite",
-                f"checkpoint {path} holds NaN or inf in {name}; the run that wrote it had diverged or "
-                "the file is corrupt: resume from an earlier checkpoint",
-            )
-
-
-def _tensors(obj: Any, name: str = "") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        return [(name, obj)]
-    if isinstance(obj, dict):
-        return [t for k, v in obj.items() for t in _tensors(v, f"{name}[{k!r}]")]
-    if isinstance(obj, list | tuple):
-        return [t for i, v in enumerate(obj) for t in _tensors(v, f"{name}[{i}]")]
-    return []
 
 
 def check_resumable(
@@ -148,11 +117,60 @@ def check_shapes(path: str | Path, ckpt: dict[str, Any], state: dict[str, torch.
 
 def newest_valid_checkpoint(directory: str | Path) -> Path | None:
     """The newest checkpoint listed in `directory`'s manifest that passes `validate_checkpoint`."""
-    manifest = Manifest.read(Path(directory))
+    found = newest_valid(Path(directory))
+    return None if found is None else found[0]
+
+
+def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """`ckpt_path=last`: the newest checkpoint the manifest lists that is valid and was written by the
+    manifest's run, with its loaded state (so it is read once); None when there is none.
+
+    Entries are plain names in `directory` (`files.Manifest.read` refuses any other). A listed file
+    that fails a check, or whose `trace_run.run` is not the manifest's run, is skipped with a warning."""
+    manifest = Manifest.read(directory)
     for name in reversed(manifest.files if manifest else []):
+        path = directory / name
         try:
-            validate_checkpoint(Path(directory) / name)
-        except CheckpointError:
+            ckpt = validate_checkpoint(path)
+        except CheckpointError as err:
+            log.warning("ckpt_path=last skips %s: %s", path, err)
             continue
-        return Path(directory) / name
+        run = (ckpt.get("trace_run") or {}).get("run")
+        if manifest is not None and run != manifest.run:
+            log.warning(
+                "ckpt_path=last skips %s: written by run %s, the folder's run is %s", path, run, manifest.run
+            )
+            continue
+        return path, ckpt
     return None
+
+
+def check_strategy(path: str | Path, ckpt: dict[str, Any], fsdp2_processes: int | None) -> None:
+    """A sharded folder resumes only under trainer=fsdp2 with the number of processes that wrote it (its
+    per-process DataModule states and shard files are per rank); a single file only without fsdp2.
+    `fsdp2_processes`: this run's process count under trainer=fsdp2, None without it."""
+    folder = ckpt.get(VERIFIED)
+    if folder is None:
+        if fsdp2_processes is not None:
+            raise CheckpointError(
+                "strategy_mismatch",
+                f"checkpoint {path} is a single file, written without trainer=fsdp2, which resumes only "
+                "the sharded folders it writes: resume it without trainer=fsdp2 (the strategy it was "
+                "written with)",
+            )
+        return
+    if fsdp2_processes == folder.processes:
+        return
+    now = f"trainer=fsdp2 with {_processes(fsdp2_processes)}" if fsdp2_processes else "no trainer=fsdp2"
+    raise CheckpointError(
+        "strategy_mismatch",
+        f"checkpoint {path} is a sharded folder written by trainer=fsdp2 with "
+        f"{_processes(folder.processes)}, and this run has {now}. Resume it with trainer=fsdp2 and "
+        f"trainer.devices x trainer.num_nodes = {folder.processes}, or convert it into one file, which a "
+        f"run without trainer=fsdp2 resumes: python -m trace_lightning.checkpoints.convert {path}  "
+        "(then pass ckpt_path=<the file it prints>)",
+    )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
