@@ -32,6 +32,7 @@ from trace_lightning.checkpoints import (
     validate_checkpoint,
 )
 from trace_lightning.checkpoints.files import Manifest
+from trace_lightning.checkpoints.frozen import FrozenWeights, check_base
 from trace_lightning.checkpoints.validate import check_strategy, newest_valid
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.models import build_policy
@@ -69,7 +70,6 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     )
     close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
     ckpt_path, ckpt, fingerprint = _resume_point(cfg)
-    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
     model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
     policy = build_policy(model_path, _make(cfg.adapter) if cfg.adapter is not None else None)
     companion = build_policy(predictor.backbone) if predictor.backbone is not None else None
@@ -86,8 +86,10 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         head=predictor.build_head(backbone.config.hidden_size),
         companion=companion,
     )
+    frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
     if ckpt_path is not None and ckpt is not None:
-        check_shapes(ckpt_path, ckpt, module.state_dict())
+        _check_weights(ckpt_path, ckpt, module, frozen)
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint, frozen)
     logger = _logger(cfg, allocator, env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
@@ -145,12 +147,26 @@ def _fsdp2_processes(trainer: DictConfig) -> int | None:
     return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
 
 
+def _check_weights(
+    path: str, ckpt: dict[str, Any], module: TraceModule, frozen: FrozenWeights | None
+) -> None:
+    """The checkpoint's weights fit this module: its base unchanged when it left the base out (then
+    Lightning loads it non-strictly, the base staying as loaded), and no trained weight missing."""
+    left_out = check_base(path, ckpt, frozen)
+    check_shapes(path, ckpt, module.state_dict(), frozen.keys if left_out and frozen else frozenset())
+    module.strict_loading = not left_out
+
+
 def _checkpoint_io(
-    cfg: DictConfig, ckpt_path: str | None, ckpt: dict[str, Any] | None, fingerprint: dict[str, str]
+    cfg: DictConfig,
+    ckpt_path: str | None,
+    ckpt: dict[str, Any] | None,
+    fingerprint: dict[str, str],
+    frozen: FrozenWeights | None,
 ) -> AtomicCheckpointIO:
     """The plugin that writes this run's checkpoints; a resume keeps the run id of the one it starts from."""
     run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex
-    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
+    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last, frozen)
     if ckpt_path is not None and ckpt is not None:
         io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
     return io

@@ -30,6 +30,7 @@ from trace_lightning.checkpoints.files import (
     temp_path,
     write_atomic,
 )
+from trace_lightning.checkpoints.frozen import BASE_KEY, FrozenWeights
 from trace_lightning.checkpoints.scan import CheckpointError, refused_global
 from trace_lightning.checkpoints.shards import validate_folder, write_digests
 from trace_lightning.checkpoints.validate import validate_checkpoint
@@ -43,14 +44,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         run: the id of the run that owns the checkpoint folder (kept across resumes).
         fingerprint: this run's config fingerprint, stored in every checkpoint.
         keep_last: how many of the run's newest checkpoints to keep (None: all).
+        frozen: the weights this run never trains (LoRA's base), left out of its checkpoints.
     """
 
     def __init__(
-        self, run: str | None = None, fingerprint: dict[str, str] | None = None, keep_last: int | None = None
+        self,
+        run: str | None = None,
+        fingerprint: dict[str, str] | None = None,
+        keep_last: int | None = None,
+        frozen: FrozenWeights | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"checkpoints.keep_last={keep_last} must be >= 1 (or null to keep all)")
         self.run, self.fingerprint, self.keep_last = run or uuid.uuid4().hex, fingerprint, keep_last
+        self.frozen = frozen  # weights left out of every checkpoint, named by digest (frozen.py)
         self.resume_from: str | None = None  # the checkpoint this run starts from (set by trainer.build)
         self._validated: tuple[tuple[str, tuple[int, int, int]], dict[str, Any]] | None = None
 
@@ -82,9 +89,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._record(path)
 
     def stamp(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """The state as saved: plain values, and this run's id and config fingerprint."""
+        """The state as saved: plain values, this run's id and config fingerprint, and without the frozen
+        weights (then named by path and digest) when the run has some."""
         stamp = {**checkpoint.get("trace_run", {}), "run": self.run, "fingerprint": self.fingerprint}
-        return {**plain_state(checkpoint), "trace_run": stamp}
+        state = plain_state(checkpoint)
+        if self.frozen is not None and "state_dict" in state:
+            state["state_dict"] = self.frozen.trained_only(state["state_dict"])
+            stamp[BASE_KEY] = self.frozen.stamp()
+        return {**state, "trace_run": stamp}
 
     def publish_folder(self, staging: Path, path: Path) -> None:
         """A sharded checkpoint written to `staging` (sharding.FSDP2Strategy): checked as the loader

@@ -97,15 +97,21 @@ def check_resumable(
         )
 
 
-def check_shapes(path: str | Path, ckpt: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-    """Weights of another model size fail here, naming the tensors, rather than deep inside `fit`."""
+def check_shapes(
+    path: str | Path,
+    ckpt: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    left_out: frozenset[str] = frozenset(),
+) -> None:
+    """Weights of another model size fail here, naming the tensors, rather than deep inside `fit`.
+    `left_out`: the frozen weights a checkpoint may lack (frozen.py: checked by digest instead)."""
     saved = ckpt["state_dict"]
     wrong = [
         f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
         for k, v in state.items()
         if k in saved and saved[k].shape != v.shape
     ]
-    absent = sorted(state.keys() - saved.keys())
+    absent = sorted(state.keys() - saved.keys() - left_out)
     if wrong or absent:
         raise CheckpointError(
             "shape_mismatch",
