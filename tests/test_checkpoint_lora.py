@@ -84,6 +84,7 @@ def test_a_full_weights_checkpoint_stays_full(tmp_path: Path) -> None:
     assert {f"policy.{k}" for k in policy.model.state_dict()} <= set(ckpt["state_dict"])
 
 
+@pytest.mark.slow  # three runs; tests/test_fsdp.py resumes a sharded LoRA run exactly too
 def test_a_lora_run_resumes_exactly(tmp_path: Path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     weights = {}
@@ -160,6 +161,7 @@ def test_mlflow_gets_a_loadable_adapter_once_and_no_checkpoint(tmp_path: Path) -
     assert sum(f.stat().st_size for f in folder.iterdir()) < 2e6  # the tiny model's adapter: kilobytes
 
 
+@pytest.mark.slow
 def test_a_sharded_lora_checkpoint_leaves_the_base_out_and_resumes(tmp_path: Path) -> None:
     import torch.distributed as dist
 

@@ -34,8 +34,9 @@ from trace_lightning import config, trainer
 from trace_lightning.checkpoints import AtomicCheckpointIO, CheckpointError, validate_checkpoint
 from trace_lightning.checkpoints.convert import to_single_file
 from trace_lightning.checkpoints.files import Manifest, digest_path
+from trace_lightning.checkpoints.reader import load_full
 from trace_lightning.checkpoints.scan import non_finite, refuse_non_finite
-from trace_lightning.checkpoints.shards import INDEX_FILE, VerifiedFolder, load_full, write_digests
+from trace_lightning.checkpoints.shards import INDEX_FILE, VERIFIED, VerifiedFolder, write_digests
 from trace_lightning.checkpoints.validate import newest_valid_checkpoint
 from trace_lightning.sharding import FSDP2Strategy
 
@@ -318,18 +319,6 @@ def test_a_sharded_folder_rewritten_after_validation_runs_no_code(
     assert not marker.exists()
 
 
-def test_a_sharded_resume_loads_the_saved_weights(sharded: Path, tmp_path: Path) -> None:
-    folder = copy_run(sharded, tmp_path)
-    saved = load_full(validate_checkpoint(folder)["trace_verified_shards"])["state_dict"]
-    seen = _fit_seeing_weights(
-        make_cfg(tmp_path, folder.parents[1], "ckpt_path=last", "trainer.max_epochs=2", *FSDP2_ONE)
-    )
-    assert any(k.startswith("policy.") for k in seen)
-    for key, weight in seen.items():
-        assert torch.equal(weight, saved[key]), key
-    assert Manifest.read(folder.parent).files[-1] == "iteration-0001.ckpt"
-
-
 def _fit_seeing_weights(cfg: Any) -> dict[str, torch.Tensor]:
     """Fit, and return the policy's weights as training starts (after Lightning restored them)."""
     seen: dict[str, torch.Tensor] = {}
@@ -371,7 +360,7 @@ def test_a_single_file_in_an_fsdp2_run_is_named(trained: Path, tmp_path: Path) -
 
 def test_a_converted_sharded_folder_resumes_without_fsdp2(sharded: Path, tmp_path: Path) -> None:
     folder = copy_run(sharded, tmp_path)
-    saved = load_full(validate_checkpoint(folder)["trace_verified_shards"])
+    saved = load_full(validate_checkpoint(folder)[VERIFIED])
     single = to_single_file(folder)
     assert single == folder.with_name("iteration-0000-single.ckpt")
     assert Manifest.read(folder.parent).files[-1] == single.name  # `last` now takes it
@@ -391,7 +380,8 @@ def test_no_unpickling_outside_the_allow_lists_on_the_sharded_load(
     sharded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sharded resume's load, watched: no `pickle.load`/`pickle.loads` and no torch.load that is not
-    weights_only while FSDP2Strategy.load_checkpoint runs (DCP's own reader calls both)."""
+    weights_only while FSDP2Strategy.load_checkpoint runs (DCP's own reader calls both); and what it
+    loads is the saved weights."""
     folder = copy_run(sharded, tmp_path)
     calls: list[str] = []
     loading = [False]
@@ -418,7 +408,11 @@ def test_no_unpickling_outside_the_allow_lists_on_the_sharded_load(
     )
     monkeypatch.setattr(pickle, "load", watched("pickle.load", pickle.load, lambda kw: True))
     monkeypatch.setattr(pickle, "loads", watched("pickle.loads", pickle.loads, lambda kw: True))
+    saved = load_full(validate_checkpoint(folder)[VERIFIED])["state_dict"]
     cfg = make_cfg(tmp_path, folder.parents[1], "ckpt_path=last", "trainer.max_epochs=2", *FSDP2_ONE)
-    _fit_seeing_weights(cfg)
+    seen = _fit_seeing_weights(cfg)
     assert calls == []
-    assert os.path.isdir(folder.with_name("iteration-0001.ckpt"))  # it did resume and save
+    assert any(k.startswith("policy.") for k in seen)
+    for key, weight in seen.items():  # and it did load the saved weights
+        assert torch.equal(weight, saved[key]), key
+    assert os.path.isdir(folder.with_name("iteration-0001.ckpt"))  # resumed, and saved the next

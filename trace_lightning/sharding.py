@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from trace_lightning.checkpoints import AtomicCheckpointIO, validate_checkpoint
 from trace_lightning.checkpoints.files import clean_stale_temps, temp_path
-from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED, load_sharded
+from trace_lightning.checkpoints.reader import load_sharded
+from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED
 from trace_lightning.checkpoints.validate import check_strategy
 
 

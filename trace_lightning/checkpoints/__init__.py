@@ -17,9 +17,12 @@ The modules, each importing only those above it (issue 25 opened the circle betw
 `checkpoints.py` and `checkpoint_shards.py` by moving what they share into `scan`):
 - `scan`: `CheckpointError` and the allow-list scan of a pickle;
 - `files`: the files beside a checkpoint (digest, manifest, temporary files), atomic small writes;
+- `frozen`: the weights a LoRA run never trains, left out of its checkpoints and named by digest;
 - `shards`: sharded (FSDP2, torch.distributed.checkpoint) folders under the same rules;
+- `reader`: loading a sharded folder through DCP from the bytes that were checked;
 - `validate`: `validate_checkpoint`, the checks against this run, `newest_valid_checkpoint`;
 - `plugin`: `AtomicCheckpointIO`, the Lightning plugin that writes, prunes and loads; `SaveOnSigterm`;
+- `export`: `ModelArtifact`, the trained weights logged to MLflow once per run;
 - `convert`: `python -m trace_lightning.checkpoints.convert`, a sharded folder as one file.
 
 The old module paths (`trace_lightning.checkpoint_io`, `checkpoint_files`, `checkpoint_shards`) and

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from trace_lightning.checkpoints.plugin import AtomicCheckpointIO
+from trace_lightning.checkpoints.reader import load_full
 from trace_lightning.checkpoints.scan import CheckpointError
-from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED, load_full
+from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED
 from trace_lightning.checkpoints.validate import validate_checkpoint
 
 
