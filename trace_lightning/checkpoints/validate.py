@@ -112,12 +112,13 @@ def check_shapes(
         if k in saved and saved[k].shape != v.shape
     ]
     absent = sorted(state.keys() - saved.keys() - left_out)
-    if wrong or absent:
+    unknown = sorted(saved.keys() - state.keys())  # a non-strict (LoRA) load would ignore them
+    if wrong or absent or unknown:
         raise CheckpointError(
             "shape_mismatch",
             f"checkpoint {path} holds another model: {len(wrong)} tensors differ in shape "
-            f"({'; '.join(wrong[:3])}) and {len(absent)} are missing ({absent[:3]}); "
-            "resume with the model= and adapter= it was trained with",
+            f"({'; '.join(wrong[:3])}), {len(absent)} are missing ({absent[:3]}) and {len(unknown)} "
+            f"are unknown here ({unknown[:3]}); resume with the model= and adapter= it was trained with",
         )
 
 
