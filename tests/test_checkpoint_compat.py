@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hydra.utils import get_class
 import trace_lightning.checkpoints as package
 from trace_lightning import config, trainer
 from trace_lightning.checkpoints.files import Manifest
+from trace_lightning.checkpoints.fingerprint import same_group
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_6395ee8"  # see its README.md
 # The overrides the fixtures were written with (the fingerprint and the seeded tiny model depend on them)
@@ -136,3 +138,29 @@ def test_a_checkpoint_written_before_the_move_resumes_after_it(tmp_path: Path, k
     assert iteration == 1  # the next iteration after the checkpoint's, not a fresh start at 0
     assert manifest.run == Manifest.read(FIXTURES / kind).run  # the same run continues
     assert manifest.files[-1] == "iteration-0001.ckpt"
+
+
+def test_a_fingerprint_tolerates_new_settings_at_their_defaults_and_moved_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The predictor group grew settings after 6395ee8 (issue 20): at their defaults they change nothing."""
+    now = {
+        "_target_": "trace_lightning.checkpoints.plugin.AtomicCheckpointIO",
+        "keep_last": 2,
+        "frozen": None,
+    }
+    stored = {"_target_": "trace_lightning.checkpoint_io.AtomicCheckpointIO", "keep_last": 2}  # old path
+
+    def same(a: dict, b: dict) -> bool:
+        return same_group(json.dumps(a, sort_keys=True), json.dumps(b, sort_keys=True))
+
+    assert same(stored, now)  # frozen=None is AtomicCheckpointIO's default; the old path names the class
+    assert not same(stored, {**now, "frozen": "x"})  # a new setting away from its default
+    assert not same({**stored, "keep_last": 3}, now)  # a changed setting
+    assert not same({**stored, "gone": 1}, now)  # a setting that no longer exists
+    assert not same({**stored, "_target_": "trace_lightning.checkpoints.plugin.plain_state"}, now)
+    imported: list[str] = []
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
+    assert not same({**stored, "_target_": "json.JSONDecoder"}, now)  # never imported: not our code
+    assert not any(name.startswith("json") for name in imported)

@@ -206,5 +206,8 @@ class Selection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
-        self.history = [(int(i), float(p), float(s), float(n)) for i, p, s, n in state["history"]]
+        # A checkpoint written before issue 20 kept the AUROC gate's evidence (3 fields a row), which the
+        # Brier-skill gate cannot use: its window starts empty (tests/test_checkpoint_compat.py).
+        rows = [h for h in state["history"] if len(h) == 4]
+        self.history = [(int(i), float(p), float(s), float(n)) for i, p, s, n in rows]
         self.order = [int(t) for t in state["order"]]

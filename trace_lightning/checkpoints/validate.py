@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from trace_lightning.checkpoints.files import Manifest, digest_path
+from trace_lightning.checkpoints.fingerprint import same_group
 from trace_lightning.checkpoints.scan import REQUIRED_KEYS, CheckpointError, load_archive, refuse_non_finite
 from trace_lightning.checkpoints.shards import VERIFIED, validate_folder
 
@@ -77,7 +78,8 @@ def check_resumable(
     fingerprint: dict[str, str],
     allow_config_change: bool = False,
 ) -> None:
-    """The checkpoint was written by a run of this config (unless `allow_config_change`)."""
+    """The checkpoint was written by a run of this config (unless `allow_config_change`); settings added
+    since, at their defaults, and moved `_target_` paths do not count (fingerprint.py)."""
     stored = (ckpt.get("trace_run") or {}).get("fingerprint")
     if allow_config_change:
         return
@@ -87,7 +89,10 @@ def check_resumable(
             f"checkpoint {path} has no config fingerprint (written by an older trainer); "
             f"set {ALLOW_CHANGE_KEY}=true to resume from it anyway",
         )
-    differ = sorted(k for k in fingerprint.keys() | stored.keys() if stored.get(k) != fingerprint.get(k))
+    groups = sorted(fingerprint.keys() | stored.keys())
+    differ = [k for k in groups if not same_group(stored.get(k), fingerprint.get(k))]
+    if not differ and any(stored.get(k) != fingerprint.get(k) for k in groups):
+        log.info("checkpoint %s predates settings now at their defaults, or moved modules: same config", path)
     if differ:
         details = "; ".join(f"{k}: checkpoint {stored.get(k)} vs now {fingerprint.get(k)}" for k in differ)
         raise CheckpointError(
