@@ -220,7 +220,7 @@ def _nan_in_refit_optimizer(dm: dict) -> None:
 
 
 def _nan_in_selection(dm: dict) -> None:
-    dm["selection"]["history"][0][1][0] = float("nan")
+    dm["selection"]["history"] = [[0, float("nan"), 1.0, 2.0]]  # a row of the gate's evidence
 
 
 NON_FINITE = [_nan_in_prior, _nan_in_replay, _nan_in_refit_optimizer, _nan_in_selection]
