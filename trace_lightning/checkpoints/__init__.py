@@ -16,6 +16,7 @@ iteration; resuming from it drops the rest of that iteration's batches (see
 The modules, each importing only those above it (issue 25 opened the circle between the old
 `checkpoints.py` and `checkpoint_shards.py` by moving what they share into `scan`):
 - `scan`: `CheckpointError` and the allow-list scan of a pickle;
+- `fingerprint`: whether a stored config fingerprint still describes this run, across upgrades;
 - `files`: the files beside a checkpoint (digest, manifest, temporary files), atomic small writes;
 - `frozen`: the weights a LoRA run never trains, left out of its checkpoints and named by digest;
 - `shards`: sharded (FSDP2, torch.distributed.checkpoint) folders under the same rules;
