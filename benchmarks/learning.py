@@ -91,6 +91,12 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
     m = leaves // (1 + n)
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
+    trace = alloc.trace(n, max_per_prompt=cap)
+    broad = alloc.trace(n, max_per_prompt=cap, breadth=args.breadth)
+    text = {"text_buckets": 1024, "policy_features": False, "label_decay": 0.8}
+    both = {"text_buckets": 1024, "label_decay": 0.8}
+    calibrated = {"calibrate": True}
+    sliced = {"explore_groups": 2, "gate_skill": 0.0}
     return {
         "uniform": Method(alloc.uniform(4), leaves),
         "grpo_trace_prompts": Method(alloc.uniform(args.control_group), leaves),
@@ -114,6 +120,18 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # the budget and training nothing (collector.root_oracle). The ceiling every predictor is read
         # against (issue 20).
         "true_v": Method(alloc.trace(n, max_per_prompt=cap), leaves, true_v=True),
+        # issue 20's predictor options (docs/algorithm.md#the-success-predictor)
+        "trace_text": Method(trace, leaves, predictor=text),
+        "trace_text_d9": Method(trace, leaves, predictor=text | {"label_decay": 0.9}),
+        "trace_text_slice": Method(trace, leaves, {"explore_groups": 2}, text),
+        "trace_text_breadth": Method(broad, leaves, predictor=text),
+        "trace_text_cal": Method(trace, leaves, sliced, text | calibrated),
+        "trace_text_linear": Method(trace, leaves, predictor=text | {"width": 0}),
+        "trace_text_linear_cal": Method(trace, leaves, predictor=text | {"width": 0} | calibrated),
+        "trace_text_post": Method(trace, leaves, predictor=text | {"posterior_features": True}),
+        "trace_text_r150": Method(trace, leaves, predictor=text | {"refit_steps": 150}),
+        "trace_both_cal": Method(trace, leaves, sliced, both | calibrated),
+        "trace_head_cal": Method(trace, leaves, sliced, {"label_decay": 0.8} | calibrated),
     }
 
 
