@@ -6,6 +6,7 @@ weights once, as a loadable adapter, instead of every checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -168,6 +169,7 @@ def test_a_sharded_lora_checkpoint_leaves_the_base_out_and_resumes(tmp_path: Pat
     from trace_lightning.checkpoints.shards import VERIFIED
 
     run_dir, fsdp2 = tmp_path / "run", ["trainer=fsdp2", "trainer.devices=1", "logger=none", *LORA]
+    environ = dict(os.environ)  # the one-process group sets MASTER_PORT and ranks: not for later tests
     try:
         trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=1", *fsdp2))
         folder = run_dir / "checkpoints" / "iteration-0000.ckpt"
@@ -178,5 +180,7 @@ def test_a_sharded_lora_checkpoint_leaves_the_base_out_and_resumes(tmp_path: Pat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
     assert Manifest.read(run_dir / "checkpoints").files[-1] == "iteration-0001.ckpt"
     shutil.rmtree(run_dir)

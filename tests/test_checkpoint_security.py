@@ -52,12 +52,16 @@ def make_cfg(tmp_path: Path, run_dir: Path, *overrides: str):
 
 @contextlib.contextmanager
 def own_process_group() -> Iterator[None]:
-    """trainer=fsdp2 in this process starts a (one-process) process group: never leave it to other tests."""
+    """trainer=fsdp2 in this process starts a (one-process) process group and sets MASTER_PORT and the
+    rank variables: leave neither to later tests (DDP workers would inherit the port, still bound)."""
+    environ = dict(os.environ)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,7 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     )
     close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
     ckpt_path, ckpt, fingerprint = _resume_point(cfg)
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
     model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
     policy = build_policy(model_path, _make(cfg.adapter) if cfg.adapter is not None else None)
     companion = build_policy(predictor.backbone) if predictor.backbone is not None else None
@@ -86,10 +87,9 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         head=predictor.build_head(backbone.config.hidden_size),
         companion=companion,
     )
-    frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
+    io.frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
     if ckpt_path is not None and ckpt is not None:
-        _check_weights(ckpt_path, ckpt, module, frozen)
-    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint, frozen)
+        _check_weights(ckpt_path, ckpt, module, io.frozen)
     logger = _logger(cfg, allocator, env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
@@ -158,15 +158,12 @@ def _check_weights(
 
 
 def _checkpoint_io(
-    cfg: DictConfig,
-    ckpt_path: str | None,
-    ckpt: dict[str, Any] | None,
-    fingerprint: dict[str, str],
-    frozen: FrozenWeights | None,
+    cfg: DictConfig, ckpt_path: str | None, ckpt: dict[str, Any] | None, fingerprint: dict[str, str]
 ) -> AtomicCheckpointIO:
-    """The plugin that writes this run's checkpoints; a resume keeps the run id of the one it starts from."""
+    """The plugin that writes this run's checkpoints (made before the model, so a bad setting fails
+    first; `build` sets its `frozen` once the model exists); a resume keeps the run id it starts from."""
     run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex
-    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last, frozen)
+    io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
     if ckpt_path is not None and ckpt is not None:
         io.resume_from = io.remember(ckpt_path, ckpt)  # Lightning's load reuses it, not a third read
     return io

@@ -1,23 +1,21 @@
-"""Whether a checkpoint's config fingerprint still describes this run, across upgrades of the trainer.
+"""Whether a checkpoint's config fingerprint still describes this run, across a move of the code.
 
 A fingerprint is, per config group (model, adapter, allocator, env, predictor), the group as canonical
-JSON. Two kinds of difference do not change what a checkpoint means, so a checkpoint written before
-them still resumes (issue 25: a checkpoint written before a module moved resumes after it):
-- a setting the checkpoint lacks, at the default of the constructor that takes it (the node's
-  `_target_` today): it did not exist then, and its default is what the trainer did then;
-- a `_target_` path that names the same object as today's (a module moved, its old path kept
-  importable). Only paths inside `trace_lightning` are imported to check: a checkpoint is untrusted
-  input, and importing a module it names could run code.
-Anything else is a difference, and `validate.check_resumable` names it.
+JSON. A `_target_` path that names the same object as today's (a module moved, its old path kept
+importable; issue 25) does not change what a checkpoint means, so a checkpoint written before the move
+still resumes. Only paths inside `trace_lightning` are imported to check: a checkpoint is untrusted
+input, and importing a module it names could run code. Any other difference, a setting added since
+included (its default may not be what the trainer did then), is one `validate.check_resumable` names,
+and `checkpoints.allow_config_change=true` overrides.
 
-Example: stored {"_target_": "p.S", "lr": 0.001} vs now {"_target_": "p.S", "lr": 0.001, "decay": 1.0}
-is the same when `p.S(decay=1.0, ...)` is S's default; with "decay": 0.5 it is not.
+Example: stored {"_target_": "trace_lightning.checkpoint_io.AtomicCheckpointIO", "keep_last": 2} and
+now {"_target_": "trace_lightning.checkpoints.plugin.AtomicCheckpointIO", "keep_last": 2} are the
+same; with "keep_last": 3 now, or a key only one of them has, they are not.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 from typing import Any
 
@@ -34,24 +32,15 @@ def same_group(stored: str | None, now: str | None) -> bool:
 
 
 def _same(stored: Any, now: Any) -> bool:
-    if not (isinstance(stored, dict) and isinstance(now, dict)):
-        if isinstance(stored, list) and isinstance(now, list):
-            return len(stored) == len(now) and all(_same(a, b) for a, b in zip(stored, now, strict=True))
-        return bool(stored == now)
-    if stored.keys() - now.keys():
-        return False
-    target = now.get("_target_")
-    if "_target_" in stored and not _same_target(stored["_target_"], target):
-        return False
-    for key, value in now.items():
-        if key == "_target_":
-            continue
-        if key in stored:
-            if not _same(stored[key], value):
-                return False
-        elif not _is_default(target, key, value):
+    if isinstance(stored, dict) and isinstance(now, dict):
+        if stored.keys() != now.keys():
             return False
-    return True
+        if "_target_" in stored and not _same_target(stored["_target_"], now["_target_"]):
+            return False
+        return all(_same(stored[k], now[k]) for k in stored if k != "_target_")
+    if isinstance(stored, list) and isinstance(now, list):
+        return len(stored) == len(now) and all(_same(a, b) for a, b in zip(stored, now, strict=True))
+    return bool(stored == now)
 
 
 def _same_target(stored: Any, now: Any) -> bool:
@@ -75,20 +64,3 @@ def _resolve(path: str) -> Any:
             obj = getattr(obj, name, None)
         return obj
     return None
-
-
-def _is_default(target: Any, key: str, value: Any) -> bool:
-    """Whether `value` is the default of parameter `key` of what `target` (today's config) names."""
-    obj = _resolve(target) if isinstance(target, str) else None
-    if obj is None:
-        return False
-    try:
-        parameter = inspect.signature(obj).parameters.get(key)
-    except (TypeError, ValueError):
-        return False
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        return False
-    try:
-        return json.dumps(parameter.default, sort_keys=True) == json.dumps(value, sort_keys=True)
-    except TypeError:  # a default JSON cannot hold (an object): not comparable
-        return False
