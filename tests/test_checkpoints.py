@@ -24,9 +24,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import OverrideParseException
 
 from trace_lightning import config, trainer
-from trace_lightning.checkpoint_files import Manifest, clean_stale_temps, digest_path
-from trace_lightning.checkpoint_io import AtomicCheckpointIO, plain_state
 from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoints.files import Manifest, clean_stale_temps, digest_path
+from trace_lightning.checkpoints.plugin import AtomicCheckpointIO, plain_state
 
 FAST = ["debug=fast", "~callbacks.progress", "logger=none"]
 

@@ -26,9 +26,9 @@ from hydra.utils import instantiate
 
 from trace_lightning import config
 from trace_lightning import trainer as cli
-from trace_lightning.checkpoint_files import Manifest, digest_path
-from trace_lightning.checkpoint_shards import write_digests
 from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoints.files import Manifest, digest_path
+from trace_lightning.checkpoints.shards import write_digests
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 # 12 leaves over 8 prompts, 2 leaf sequences per micro-batch (several optimizer steps per iteration)

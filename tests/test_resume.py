@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from trace_lightning import config, trainer
-from trace_lightning.checkpoint_files import Manifest, digest_path
 from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoints.files import Manifest, digest_path
 
 FAST = ["debug=fast", "~callbacks.progress", "budget.leaves=12"]
 
@@ -147,7 +147,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    from trace_lightning.checkpoint_io import AtomicCheckpointIO
+    from trace_lightning.checkpoints.plugin import AtomicCheckpointIO
 
     io = AtomicCheckpointIO()
     target = tmp_path / "last.ckpt"
@@ -157,7 +157,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path,
         f.write(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt  # the process is killed while writing
 
-    monkeypatch.setattr("trace_lightning.checkpoint_io.torch.save", dies_midway)
+    monkeypatch.setattr("trace_lightning.checkpoints.plugin.torch.save", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"state_dict": {}, "epoch": 2, "global_step": 6}, target)
     assert validate_checkpoint(target)["epoch"] == 1  # the old file, whole

@@ -220,6 +220,8 @@ class HeldOutSuccess(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        # where other callbacks read metrics (checkpoints.export.ModelArtifact(best="eval/success"))
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
 
 
 # --------------------------------------------------------------------------- Monte Carlo probe

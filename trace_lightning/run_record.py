@@ -27,7 +27,7 @@ from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from trace_lightning.checkpoint_files import pid_alive, write_atomic
+from trace_lightning.checkpoints.files import pid_alive, write_atomic
 
 RECORD = "process.json"
 

@@ -219,6 +219,9 @@ class Selection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
-        self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in state["history"]]  # type: ignore[misc]
+        # Rows of an older gate's evidence (before issue 20: lists for the AUROC gate; then 4 fields)
+        # cannot feed this gate, which starts its window empty (tests/test_checkpoint_compat.py).
+        rows = [h for h in state["history"] if len(h) == 5]  # (iteration, p, reference, successes, n)
+        self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in rows]  # type: ignore[misc]
         self.outcomes = [(int(i), float(s), float(n)) for i, s, n in state.get("outcomes", [])]
         self.order = [int(t) for t in state["order"]]

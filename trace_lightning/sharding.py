@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trace_lightning.checkpoint_files import clean_stale_temps, temp_path
-from trace_lightning.checkpoint_io import AtomicCheckpointIO
-
-RANK_STATES = "trace_rank_datamodule"  # checkpoint key: each process's DataModule state, by rank
+from trace_lightning.checkpoints import AtomicCheckpointIO, validate_checkpoint
+from trace_lightning.checkpoints.files import clean_stale_temps, temp_path
+from trace_lightning.checkpoints.reader import load_sharded
+from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED
+from trace_lightning.checkpoints.validate import check_strategy
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -42,7 +43,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     `ModelParallelStrategy` writes distributed checkpoints itself, past any CheckpointIO plugin, so
     `save_checkpoint` and `load_checkpoint` are where this run's checkpoint rules are applied to them:
     written into a temporary folder, checked, digested, renamed, listed in the manifest and pruned
-    (`checkpoint_shards`), and validated before any of it is loaded.
+    (`checkpoints.shards`), and validated before any of it is loaded.
     """
 
     def __init__(self, devices: int, num_nodes: int = 1) -> None:
@@ -75,13 +76,21 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(self.checkpoint_io, AtomicCheckpointIO):  # validated (or the build's check reused)
-            self.checkpoint_io.load_checkpoint(checkpoint_path)
-        # weights_only: meta.pt holds plain state only (AtomicCheckpointIO.stamp), checked above
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
+        """ModelParallelStrategy's load, but from the bytes that were checked (issue 23): the folder as
+        `validate_checkpoint` saw it (at build, or now), each file read once and used only if its digest
+        is unchanged, with no `pickle.load` or `torch.load(weights_only=False)` (checkpoints/shards.py)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        io = self.checkpoint_io
+        checked = isinstance(io, AtomicCheckpointIO)  # the build's validation is reused when unchanged
+        validated = io.load_checkpoint(path) if checked else validate_checkpoint(path)
+        check_strategy(path, validated, self.world_size)  # a single file, or another process count: named
+        checkpoint = {k: v for k, v in validated.items() if k not in (VERIFIED, "state_dict")}  # shapes only
+        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+        assert self.lightning_module is not None
+        load_sharded(validated[VERIFIED], self.model, optimizers, strict=self.lightning_module.strict_loading)
         states, key = checkpoint.pop(RANK_STATES, None), self._datamodule_key()
-        if states is not None and key is not None and len(states) == self.world_size:
-            checkpoint[key] = states[self.global_rank]  # else (another process count) rank 0's, as DDP
+        if states is not None and key is not None:
+            checkpoint[key] = states[self.global_rank]
         return checkpoint
 
     def _datamodule_key(self) -> str | None:

@@ -18,25 +18,27 @@ from typing import Any
 import hydra
 import lightning as L
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import TreeAllocator
-from trace_lightning.checkpoint_files import Manifest
-from trace_lightning.checkpoint_io import AtomicCheckpointIO
 from trace_lightning.checkpoints import (
+    AtomicCheckpointIO,
     CheckpointError,
     check_resumable,
     check_shapes,
-    newest_valid_checkpoint,
     validate_checkpoint,
 )
+from trace_lightning.checkpoints.files import Manifest
+from trace_lightning.checkpoints.frozen import FrozenWeights, check_base
+from trace_lightning.checkpoints.validate import check_strategy, newest_valid
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.models import build_policy
 from trace_lightning.module import TraceModule
 from trace_lightning.run_record import close_dead_run, run_in_store, write_record
+from trace_lightning.sharding import FSDP2Strategy
 from trace_lightning.warmstart import policy_path
 
 config.register()
@@ -85,8 +87,9 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         head=predictor.build_head(backbone.config.hidden_size),
         companion=companion,
     )
+    io.frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
     if ckpt_path is not None and ckpt is not None:
-        check_shapes(ckpt_path, ckpt, module.state_dict())
+        _check_weights(ckpt_path, ckpt, module, io.frozen)
     logger = _logger(cfg, allocator, env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
@@ -126,18 +129,39 @@ def check_trainer(trainer: DictConfig) -> None:
 def _resume_point(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None, dict[str, str]]:
     """The checkpoint to start from (None: a fresh run), validated and checked against this config, so
     a missing, corrupt, unsafe or mismatched checkpoint fails now, naming the file; and the fingerprint."""
-    ckpt_path = _checkpoint_path(cfg)
-    ckpt = validate_checkpoint(ckpt_path) if ckpt_path is not None else None
+    ckpt_path, ckpt = _checkpoint(cfg)
     fingerprint = config_fingerprint(cfg)
     if ckpt_path is not None and ckpt is not None:
+        check_strategy(ckpt_path, ckpt, _fsdp2_processes(cfg.trainer))
         check_resumable(ckpt_path, ckpt, fingerprint, cfg.checkpoints.allow_config_change)
     return ckpt_path, ckpt, fingerprint
+
+
+def _fsdp2_processes(trainer: DictConfig) -> int | None:
+    """How many processes a trainer=fsdp2 run has (devices x num_nodes); None for another strategy.
+    A malformed count is left to FSDP2Strategy, whose error names the key."""
+    strategy = trainer.get("strategy")
+    if not isinstance(strategy, DictConfig) or not issubclass(get_class(strategy._target_), FSDP2Strategy):
+        return None
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
+
+
+def _check_weights(
+    path: str, ckpt: dict[str, Any], module: TraceModule, frozen: FrozenWeights | None
+) -> None:
+    """The checkpoint's weights fit this module: its base unchanged when it left the base out (then
+    Lightning loads it non-strictly, the base staying as loaded), and no trained weight missing."""
+    left_out = check_base(path, ckpt, frozen)
+    check_shapes(path, ckpt, module.state_dict(), frozen.keys if left_out and frozen else frozenset())
+    module.strict_loading = not left_out
 
 
 def _checkpoint_io(
     cfg: DictConfig, ckpt_path: str | None, ckpt: dict[str, Any] | None, fingerprint: dict[str, str]
 ) -> AtomicCheckpointIO:
-    """The plugin that writes this run's checkpoints; a resume keeps the run id of the one it starts from."""
+    """The plugin that writes this run's checkpoints (made before the model, so a bad setting fails
+    first; `build` sets its `frozen` once the model exists); a resume keeps the run id it starts from."""
     run = (ckpt or {}).get("trace_run", {}).get("run") or uuid.uuid4().hex
     io = AtomicCheckpointIO(run, fingerprint, cfg.checkpoints.keep_last)
     if ckpt_path is not None and ckpt is not None:
@@ -189,21 +213,22 @@ def mark_model_training(logger: Any) -> None:
         logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)
 
 
-def _checkpoint_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path=last`: the newest valid checkpoint this run_dir's run wrote (its manifest lists them).
-    `build` validates the file, so a corrupt one fails there naming it, not deep in Lightning."""
+def _checkpoint(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint to resume and its validated state, read once. `ckpt_path=last`: the newest valid
+    checkpoint this run_dir's run wrote (its manifest lists them). A corrupt one fails here naming it,
+    not deep in Lightning."""
     if cfg.ckpt_path is None:
         _refuse_foreign_folder(Path(cfg.run_dir) / "checkpoints")
-        return None
+        return None, None
     if cfg.ckpt_path == "last":
-        found = newest_valid_checkpoint(Path(cfg.run_dir) / "checkpoints")
+        found = newest_valid(Path(cfg.run_dir) / "checkpoints")
         if found is None:
             raise FileNotFoundError(
                 f"ckpt_path=last: no valid checkpoint in {Path(cfg.run_dir) / 'checkpoints'}; "
                 "pass run_dir=<the run to resume>"
             )
-        return str(found)
-    return str(cfg.ckpt_path)
+        return str(found[0]), found[1]
+    return str(cfg.ckpt_path), validate_checkpoint(cfg.ckpt_path)
 
 
 def _refuse_foreign_folder(directory: Path) -> None:

@@ -1,0 +1,159 @@
+"""The `trace_lightning/checkpoints/` package (issue 25): old import paths still work, checkpoints written
+before the move resume after it, and the package's modules import each other without a circle."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
+
+import trace_lightning.checkpoints as package
+from trace_lightning import config, trainer
+from trace_lightning.checkpoints.files import Manifest
+from trace_lightning.checkpoints.fingerprint import same_group
+
+FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_6395ee8"  # see its README.md
+# The overrides the fixtures were written with (the fingerprint and the seeded tiny model depend on them)
+WRITTEN_WITH = [
+    "debug=fast",
+    "logger=none",
+    "~callbacks.progress",
+    "~callbacks.summary",
+    "model.hidden_size=8",
+    "model.heads=1",
+    "model.kv_heads=1",
+    "+model.layers=1",
+]
+ADAPTERS = {
+    "full": ["adapter=none"],
+    "lora": ["adapter=lora", "adapter.r=2", "adapter.target_modules=[q_proj,v_proj]"],
+}
+
+
+def test_old_import_paths_name_the_same_objects() -> None:
+    old = {
+        "trace_lightning.checkpoint_io": ("AtomicCheckpointIO", "plain_state"),
+        "trace_lightning.checkpoint_files": ("Manifest", "digest_path", "write_atomic", "pid_alive"),
+        "trace_lightning.checkpoint_shards": ("validate_folder", "write_digests", "INDEX_GLOBALS"),
+        "trace_lightning.checkpoints": ("CheckpointError", "validate_checkpoint", "newest_valid_checkpoint"),
+    }
+    new = {
+        "AtomicCheckpointIO": "plugin",
+        "plain_state": "plugin",
+        "Manifest": "files",
+        "digest_path": "files",
+        "write_atomic": "files",
+        "pid_alive": "files",
+        "validate_folder": "shards",
+        "write_digests": "shards",
+        "INDEX_GLOBALS": "shards",
+        "CheckpointError": "scan",
+        "validate_checkpoint": "validate",
+        "newest_valid_checkpoint": "validate",
+    }
+    for module, names in old.items():
+        for name in names:
+            moved = importlib.import_module(f"trace_lightning.checkpoints.{new[name]}")
+            assert getattr(importlib.import_module(module), name) is getattr(moved, name), (module, name)
+    # the callbacks group's _target_ (Hydra resolves it the same way)
+    sigterm = get_class("trace_lightning.checkpoints.SaveOnSigterm")
+    assert sigterm.__module__ == "trace_lightning.checkpoints.plugin"
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """The package's modules this file imports at module level, and any import inside a function."""
+    tree = ast.parse(path.read_text())
+    top: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trace_lightning.checkpoints"):
+            top.add(node.module.removeprefix("trace_lightning.checkpoints").lstrip(".") or "__init__")
+    nested = [
+        f"{path.name}:{inner.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for inner in ast.walk(node)
+        if isinstance(inner, ast.Import | ast.ImportFrom)
+    ]
+    return top, nested
+
+
+def test_the_package_has_floors_and_no_function_level_imports() -> None:
+    """Issue 25: the circle checkpoints.py <-> checkpoint_shards.py was hidden behind an import inside a
+    function. Each module may import only modules on lower floors, at module level."""
+    folder = Path(package.__file__).parent
+    graph, nested = {}, []
+    for path in folder.glob("*.py"):
+        graph[path.stem], inside = _imports(path)
+        nested += inside
+    assert nested == []
+    floors: dict[str, int] = {}
+    while len(floors) < len(graph):  # peel off the modules whose imports all have a floor already
+        ready = {m for m, deps in graph.items() if m not in floors and deps <= floors.keys()}
+        assert ready, f"an import circle among {sorted(graph.keys() - floors.keys())}"
+        floors |= {m: 1 + max((floors[d] for d in graph[m]), default=-1) for m in ready}
+    assert floors["scan"] == 0 and floors["__init__"] == max(floors.values())
+
+
+def _resume(tmp_path: Path, kind: str) -> tuple[dict, dict, int, Manifest]:
+    """Resume the fixture's run for one more iteration; the weights and DataModule iteration it started
+    with, and its manifest afterwards."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURES / kind, run_dir / "checkpoints")
+    config.register()
+    overrides = [f"output_root={tmp_path}", f"run_dir={run_dir}", *WRITTEN_WITH, *ADAPTERS[kind]]
+    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+        cfg = compose("train", [*overrides, "ckpt_path=last", "trainer.max_epochs=2"])
+    module, data, fit = trainer.build(cfg)
+    seen: dict = {}
+
+    class Start(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            """After Lightning restored the weights, before anything trains (or refits the head)."""
+            seen["weights"] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen.setdefault("iteration", trainer.datamodule.report.iteration)
+
+    fit.callbacks.append(Start())
+    fit.fit(module, datamodule=data, ckpt_path=fit.strategy.checkpoint_io.resume_from)
+    return seen["weights"], data, seen["iteration"], Manifest.read(run_dir / "checkpoints")
+
+
+@pytest.mark.parametrize("kind", list(ADAPTERS))
+def test_a_checkpoint_written_before_the_move_resumes_after_it(tmp_path: Path, kind: str) -> None:
+    saved = torch.load(FIXTURES / kind / "iteration-0000.ckpt", weights_only=True)
+    weights, _, iteration, manifest = _resume(tmp_path, kind)
+    trained = [k for k in saved["state_dict"] if "lora_" in k or kind == "full"]
+    assert trained
+    for key in trained:  # the resumed module starts from the checkpoint's weights
+        assert torch.equal(weights[key], saved["state_dict"][key]), key
+    assert iteration == 1  # the next iteration after the checkpoint's, not a fresh start at 0
+    assert manifest.run == Manifest.read(FIXTURES / kind).run  # the same run continues
+    assert manifest.files[-1] == "iteration-0001.ckpt"
+
+
+def test_a_fingerprint_is_the_same_across_a_moved_target_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = "trace_lightning.checkpoints.plugin.AtomicCheckpointIO"
+    now = {"_target_": target, "keep_last": 2}
+    stored = {"_target_": "trace_lightning.checkpoint_io.AtomicCheckpointIO", "keep_last": 2}  # old path
+
+    def same(a: dict, b: dict) -> bool:
+        return same_group(json.dumps(a, sort_keys=True), json.dumps(b, sort_keys=True))
+
+    assert same(stored, now)  # the old path names the same class
+    assert not same(stored, {**now, "frozen": None})  # a setting added since, even at its default
+    assert not same({**stored, "keep_last": 3}, now)  # a changed setting
+    assert not same({**stored, "_target_": "trace_lightning.checkpoints.plugin.plain_state"}, now)
+    imported: list[str] = []
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
+    assert not same({**stored, "_target_": "json.JSONDecoder"}, now)  # never imported: not our code
+    assert not any(name.startswith("json") for name in imported)
