@@ -36,15 +36,16 @@ from trace_lightning.batching import (
     node_advantages,
 )
 from trace_lightning.distributed import Processes
-from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams
+from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, split_tasks
+from trace_lightning.evaluation import EvalResult, EvalSettings, score
 from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.packing import budget_groups
 from trace_lightning.predictor import PredictorFit, ReplayEntry
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
 from trace_lightning.sharding import trainable_sum
-from trace_lightning.tree import SUCCESS, RolloutTree, backup
+from trace_lightning.tree import RolloutTree, backup
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
 # display (console.IterationProgress) shows the same counts as they happen.
@@ -73,16 +74,8 @@ class IterationReport:
     refit_loss: float = math.nan  # the predictor refit's last minibatch loss (NaN: no refit ran)
     engine_stats: EngineStats | None = None  # this process's engine counters for this iteration
     local_trees: list[RolloutTree] | None = None  # this process's part of `result.trees`
-
-
-@dataclass(frozen=True)
-class HeldOutResult:
-    """The current policy on the held-out tasks (`RolloutCollector.evaluate`)."""
-
-    success: float  # share of episodes with reward >= tree.SUCCESS
-    reward: float  # mean episode reward
-    turns: float  # mean policy turns per episode
-    episodes: int
+    # the whole `collect` call: sync, sampling, the refit and the batches' old log-probs (budget/seconds)
+    collect_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +114,7 @@ class RolloutCollector:
         seed: int,
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
+        require_sampling(sampling)
         ids = [t.task_id for t in env.tasks()]
         if not 0 <= held_out < len(ids):
             raise ValueError(
@@ -175,6 +169,7 @@ class RolloutCollector:
     def collect(self, module: Any, processes: Processes = Processes()) -> list[RolloutBatch]:
         """Sample one iteration of trees with the module's current policy and turn them into batches;
         `self.report` describes it. With several processes see `distributed.py`."""
+        began = time.perf_counter()
         self.start(module)
         runner = self.runner
         assert runner is not None
@@ -236,43 +231,65 @@ class RolloutCollector:
             refit_loss=refit_loss,
             engine_stats=engine_stats,
             local_trees=local.trees,
+            collect_seconds=time.perf_counter() - began,
         )
         self.iteration += 1
         return batches
 
-    def evaluate(self, module: Any, samples: int, seed: int) -> HeldOutResult | None:
-        """`samples` episodes of every held-out task with the current policy (None: none held out).
+    def evaluate(
+        self, module: Any, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
+    ) -> EvalResult | None:
+        """`settings.samples` episodes of every task in `settings.tasks` with the current policy, at the
+        evaluation's temperature (`evaluation.py` scores them). None: no such task (data.held_out=0).
+        `on_episode_end` is called as each episode ends (a progress display).
 
         The training streams are left exactly as they were: the torch RNG is saved and restored around
-        a seeded draw of its own, and the runner's counters and the engine's stats are put back, so an
-        evaluation changes neither what the next iteration samples nor what it reports."""
-        if not self.held_out:
+        a seeded draw of its own, and the runner's counters and sampling and the engine's stats are put
+        back, so an evaluation changes neither what the next iteration samples nor what it reports."""
+        task_ids = self.eval_tasks(settings.tasks)
+        if not task_ids:
             return None
+        start = time.perf_counter()
         self.start(module)
         runner = self.runner
         assert runner is not None
         self._sync_engine(runner.engine, module)
-        trees = [runner.new_tree(t) for t in self.held_out]
-        n = len(trees) * samples
+        trees = [runner.new_tree(t) for t in task_ids]
+        n = len(trees) * settings.samples
         ledger = BudgetLedger(Budget(n))
         ledger.reserve_leaves(n, "bare")
-        saved = (torch.get_rng_state(), runner.counters, runner.on_episode_end, runner.engine.stats)
-        runner.counters, runner.on_episode_end, runner.engine.stats = RolloutCounters(), None, EngineStats()
-        torch.manual_seed(seed)
+        saved = (
+            torch.get_rng_state(),
+            runner.counters,
+            runner.on_episode_end,
+            runner.engine.stats,
+            runner.sampling,
+        )
+        runner.counters, runner.on_episode_end, runner.engine.stats = (
+            RolloutCounters(),
+            on_episode_end,
+            EngineStats(),
+        )
+        runner.sampling = settings.sampling(runner.sampling)  # the runner's, which holds the env's stops
+        torch.manual_seed(settings.seed)
         try:
-            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
+            branches = [Branch(t, 0, settings.samples, "bare") for t in trees]
+            runner(branches, ledger, np.random.default_rng(settings.seed))
         finally:
             torch.set_rng_state(saved[0])
-            runner.counters, runner.on_episode_end, runner.engine.stats = saved[1:]
+            runner.counters, runner.on_episode_end, runner.engine.stats, runner.sampling = saved[1:]
         if hasattr(runner.engine, "sleep"):
             runner.engine.sleep()
-        leaves = [t.nodes[x] for t in trees for x in t.leaves()]
-        return HeldOutResult(
-            success=float(np.mean([float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves])),
-            reward=float(np.mean([float(leaf.reward or 0.0) for leaf in leaves])),
-            turns=float(np.mean([leaf.depth for leaf in leaves])),
-            episodes=len(leaves),
-        )
+        temperature = settings.sampling(self.sampling).temperature
+        return score(trees, settings.pass_k, temperature, time.perf_counter() - start)
+
+    def eval_tasks(self, tasks: str) -> list[int]:
+        """The task ids of an `eval.tasks` choice: held_out, train or all."""
+        return {
+            "held_out": self.held_out,
+            "train": self.train_ids,
+            "all": sorted(self.train_ids + self.held_out),
+        }[tasks]
 
     def _refit(
         self,
