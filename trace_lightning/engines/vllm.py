@@ -248,6 +248,10 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)
 
+    def take_stats(self) -> EngineStats:
+        stats, self.stats = self.stats, EngineStats()
+        return stats
+
 
 def _completion(sample: Any) -> Completion:
     tokens = list(sample.token_ids)
