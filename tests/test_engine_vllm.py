@@ -220,3 +220,19 @@ def test_vllm_logs_to_the_run_log_and_single_process_fits_warn_once_per_cause(mo
     vllm_logger = logging.getLogger("vllm")  # only the root's file handlers (pytest's, here), no console
     root_files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     assert vllm_logger.handlers == root_files and vllm_logger.propagate == (not root_files)
+
+
+def test_temperature_zero_decodes_greedily_as_the_transformers_engine_does(model_dir):
+    """Greedy evaluation (`eval.temperature=0`) on vLLM: the same tokens whatever the seed, and the
+    argmax chain the transformers engine decodes on the same weights."""
+    from trace_lightning.engines.hf import HFEngine
+
+    model, tokenizer = build_policy(model_dir)
+    engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
+    prompts = [prompt(tokenizer), prompt(tokenizer, "Key 2?"), prompt(tokenizer)]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    torch.manual_seed(0)
+    first = [c.token_ids for c in engine.generate(prompts, greedy)]
+    torch.manual_seed(1)
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == first and first[0] == first[2]
+    assert [c.token_ids for c in HFEngine(model, tokenizer).generate(prompts, greedy)] == first
