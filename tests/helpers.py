@@ -78,7 +78,9 @@ def _jail_problem() -> str | None:
 
 
 # The head as the joint loss trains it (coef > 0 reads the prefix's last state): what most module tests check.
-JOINT_HEAD = PredictorSettings(width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+JOINT_HEAD = PredictorSettings.policy_state(
+    width=16, coef=1.0, pooling="last", standardize=False, refit_steps=0
+)
 TEST_SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
 
 

@@ -284,5 +284,5 @@ def test_the_unbiased_slice_is_rolled_out_on_top_of_stage_1(tiny_model_dir):
     report = data.report
     assert report.result.root_counts.sum() == 4  # 12 leaves at expansion 2: 4 bare rollouts
     (entry,) = data.collector.selection.history  # one slice group, recorded for the gate
-    assert entry[0] == 0 and entry[3] == 2.0
-    assert entry[1] == pytest.approx(0.5)  # its raw prediction: the cold-start prior's mean
+    assert entry[0] == 0 and entry[4] == 2.0  # iteration 0, 2 bare rollouts
+    assert entry[1] == pytest.approx(0.5) and entry[2] == 0.5  # the prior's mean; no base rate yet

@@ -73,3 +73,9 @@ def test_random_pairs_average_over_every_choice_of_candidates():
 def test_the_true_v_allocation_puts_groups_on_the_most_uncertain_candidates():
     counts = gauges.true_v_allocation(np.array([0, 4, 8, 4, 1]), np.full(5, 8), 4, max_per_prompt=8)
     assert counts.tolist() == [0, 2, 0, 2, 0]  # the two rates of 0.5
+
+
+def test_skill_against_a_reference_forecast():
+    p, ref = np.array([0.9, 0.1]), np.array([0.5, 0.5])
+    assert gauges.skill_against(p, ref, np.array([1, 0]), np.array([1, 1])) == pytest.approx(1 - 0.01 / 0.25)
+    assert gauges.skill_against(ref, ref, np.array([1, 0]), np.array([1, 1])) == 0.0

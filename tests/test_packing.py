@@ -45,7 +45,7 @@ def branching_tree(seed: int, prompt_len: int = 9) -> RolloutTree:
     return t
 
 
-HEAD = PredictorSettings(width=8, coef=1.0, pooling="last", standardize=False, refit_steps=0)
+HEAD = PredictorSettings.policy_state(width=8, coef=1.0, pooling="last", standardize=False, refit_steps=0)
 
 
 @pytest.fixture

@@ -194,3 +194,20 @@ def test_a_text_only_head_scores_and_refits_through_an_iteration(tiny_model_dir)
     assert np.isfinite(data.report.refit_loss)
     with pytest.raises(ValueError, match="predictor.policy_features"):
         make_module(tiny_model_dir, coef=0.0, policy_features=False)  # nothing left to read
+
+
+def test_platt_calibration_shrinks_an_over_confident_head_and_keeps_its_ranking():
+    """Outcomes drawn at rates 0.3 and 0.7 while the head says 0.05 and 0.95: the fitted map moves its
+    predictions towards the true rates (the maximum-likelihood map on these counts is a = logit(0.7) /
+    logit(0.95), c = 0; the ridge keeps it a little closer to the identity)."""
+    from trace_lightning.predictor.calibration import PlattCalibration, logit
+
+    cal = PlattCalibration(window=4, strength=1.0)
+    for it in range(4):  # 4 iterations, each 100 rollouts of a 0.05-predicted and a 0.95-predicted prompt
+        cal.observe(it, [0.05, 0.95], [30, 70], [100, 100])
+    mle_a = float(logit(np.array([0.7]))[0] / logit(np.array([0.95]))[0])
+    assert cal.c == pytest.approx(0.0, abs=1e-9) and mle_a < cal.a < mle_a * 1.05
+    got = cal(np.array([0.05, 0.5, 0.95]))
+    assert got[0] == pytest.approx(0.3, abs=0.02) and got[2] == pytest.approx(0.7, abs=0.02) and got[1] == 0.5
+    cal.observe(10, [0.5], [1], [2])  # the window forgets the old evidence: back near the identity
+    assert cal.a == pytest.approx(1.0, abs=0.1) and len(cal.history) == 1

@@ -53,11 +53,10 @@ def observe_slice(sel, iteration, predicted, outcomes):
     return sel.observe(iteration, trees, np.array(predicted), {t.task_id for t in trees})
 
 
-def brier_skill_by_hand(p, outcomes):
-    """1 - mean (p - y)^2 / mean (ybar - y)^2 over every outcome, from the definition."""
-    pairs = [(pi, y) for pi, ys in zip(p, outcomes, strict=True) for y in ys]
-    ybar = np.mean([y for _, y in pairs])
-    return 1 - np.mean([(pi - y) ** 2 for pi, y in pairs]) / np.mean([(ybar - y) ** 2 for _, y in pairs])
+def skill_by_hand(p, outcomes, reference):
+    """1 - sum (p - y)^2 / sum (reference - y)^2 over every outcome, from the definition."""
+    pairs = [(pi, r, y) for pi, r, ys in zip(p, reference, outcomes, strict=True) for y in ys]
+    return 1 - sum((pi - y) ** 2 for pi, _, y in pairs) / sum((r - y) ** 2 for _, r, y in pairs)
 
 
 # Success rates 0.1, 0.3, 0.6, 0.9 and four outcomes each that match them as closely as 4 draws can.
@@ -75,8 +74,9 @@ def test_the_skill_gate_opens_for_an_oracle_and_stays_closed_for_a_constant():
         quality = observe_slice(oracle, it, RATES, OUTCOMES)
         observe_slice(constant, it, [0.5] * 4, OUTCOMES)  # the outcomes' own base rate, 8 of 16
     open_, skill = oracle.gate()
-    assert open_ and skill == pytest.approx(brier_skill_by_hand(RATES * 2, OUTCOMES * 2))
-    assert quality.slice_skill == pytest.approx(brier_skill_by_hand(RATES, OUTCOMES))
+    # the base rate known before each iteration: 0.5 at first (none), then iteration 0's 8 of 16
+    assert open_ and skill == pytest.approx(skill_by_hand(RATES * 2, OUTCOMES * 2, [0.5] * 8))
+    assert quality.slice_skill == pytest.approx(skill_by_hand(RATES, OUTCOMES, [0.5] * 4))
     assert oracle.estimates(pool, [0, 1, 2, 3], BetaPrior(), rng).tolist() == pool.tolist()
     closed, constant_skill = constant.gate()
     assert not closed and constant_skill == pytest.approx(0.0, abs=1e-12)
@@ -91,14 +91,15 @@ def test_the_gate_forgets_evidence_older_than_its_window():
     for it in range(2, 4):  # now the predictions are reversed: worse than the base rate
         observe_slice(sel, it, RATES[::-1], OUTCOMES)
     open_, skill = sel.gate()
-    assert not open_ and skill == pytest.approx(brier_skill_by_hand(RATES[::-1] * 2, OUTCOMES * 2))
+    assert not open_ and skill == pytest.approx(skill_by_hand(RATES[::-1] * 2, OUTCOMES * 2, [0.5] * 8))
 
 
 def test_only_the_slice_feeds_the_gate():
     sel = Selection(explore_groups=1, gate_skill=0.05, gate_min_samples=2)
     trees = [tree_with_bare_outcomes(0, [1, 1], 0.9), tree_with_bare_outcomes(1, [0, 1], 0.5)]
     sel.observe(0, trees, np.array([0.9, 0.5]), {1})
-    assert [h[1:] for h in sel.history] == [(0.5, 1.0, 2.0)]
+    assert [h[1:] for h in sel.history] == [(0.5, 0.5, 1.0, 2.0)]  # prediction, base rate, wins, rollouts
+    assert sel.base_rate() == 0.75  # all bare rollouts count for the base rate: 3 of 4
 
 
 def test_the_slice_reserves_uniformly_drawn_groups():

@@ -33,6 +33,7 @@ from trace_lightning.envs.base import Environment, split_tasks
 from trace_lightning.evaluation import EvalResult, EvalSettings, score
 from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
+from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import Features, IterationScorer, refit
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
@@ -189,7 +190,9 @@ class RolloutCollector:
         )
         start = time.perf_counter()
         raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
-        estimates = self.selection.estimates(raw, pool_ids, self.prior, self.rng)  # [P] what Stage 1 uses
+        calibration = self.predictor_fit.calibration if self.predictor_fit is not None else None
+        predicted = calibration(raw) if calibration is not None and not used_prior else raw  # [P]
+        estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
         if self.root_oracle is not None:
             estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
         reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
@@ -206,7 +209,7 @@ class RolloutCollector:
             reserved,
         )
         self._sampling_rng = torch.get_rng_state()
-        for tree, v in zip(pool, raw, strict=True):  # calibration is measured on the raw predictions
+        for tree, v in zip(pool, predicted, strict=True):  # gauges judge the predictor's output, as made
             tree.root.predicted = float(v)
         runner.engine.sleep()  # frees accelerator memory for training (a no-op where there is none)
         sample_seconds = time.perf_counter() - start
@@ -216,7 +219,9 @@ class RolloutCollector:
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
         slice_ids = {t for t, r in zip(pool_ids, reserved, strict=True) if r}
-        quality = self.selection.observe(self.iteration, result.trees, raw, slice_ids)
+        quality = self.selection.observe(self.iteration, result.trees, predicted, slice_ids)
+        if calibration is not None and not used_prior:
+            self._calibrate(calibration, dict(zip(pool_ids, raw, strict=True)), result.trees)
         refit_loss = self._refit(module.scorer, pool, result.trees, score.features, processes)
         self.prior.step()
         for tree in result.trees:
@@ -226,7 +231,7 @@ class RolloutCollector:
         mismatch_mean, mismatch_max = _mean_max(np.concatenate(processes.all_gather(gaps)))
         self.report = IterationReport(
             iteration=self.iteration,
-            result=Iteration(result.trees, result.ledger, raw, result.root_counts),
+            result=Iteration(result.trees, result.ledger, predicted, result.root_counts),
             counters=counters,
             used_prior=used_prior,
             policy_fingerprint=self._engine_version,
@@ -323,6 +328,15 @@ class RolloutCollector:
         for part in processes.all_gather(features):
             seen.update(part)
         return refit(self.predictor_fit, scorer, pool, trees, seen, self.iteration)
+
+    def _calibrate(
+        self, calibration: PlattCalibration, raw: dict[int, float], trees: list[RolloutTree]
+    ) -> None:
+        """Refit the Platt map on the head's raw root predictions and the bare outcomes they preceded."""
+        wins = [bare_outcomes(t) for t in trees]
+        calibration.observe(
+            self.iteration, [raw[t.task_id] for t in trees], [w.sum() for w in wins], [len(w) for w in wins]
+        )
 
     def _sync_engine(self, engine: GenerationEngine, module: Learner) -> float:
         """Bring the engine to the policy's current weights when they changed since its last sync (or it

@@ -59,6 +59,16 @@ def brier_skill(p: np.ndarray, successes: np.ndarray, samples: np.ndarray) -> fl
     return 1.0 - brier(p, successes, samples) / base if base > 0 else float("nan")
 
 
+def skill_against(p: np.ndarray, reference: np.ndarray, successes: np.ndarray, samples: np.ndarray) -> float:
+    """1 - Brier(p) / Brier(reference): skill over a forecast made at the same time as p (the base rate
+    known before the outcomes), so neither side has seen them. A predictor equal to the reference
+    scores exactly 0, one that beats it more than 0; NaN when the reference is perfect.
+
+    Example: p = [0.9, 0.1], reference [0.5, 0.5], outcomes 1 and 0 -> 1 - 0.01 / 0.25 = 0.96."""
+    ref = brier(reference, successes, samples)
+    return 1.0 - brier(p, successes, samples) / ref if ref > 0 else float("nan")
+
+
 def mixed_prob_unbiased(successes: np.ndarray, samples: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Unbiased estimate of V_root(v_i, m_i) = 1 - v^m - (1 - v)^m from k_i successes in n_i episodes.
 

@@ -1,5 +1,5 @@
 """Which prompts Stage 1 sees, and with what success estimates: exploration and calibration around the
-exact V_root program (docs/algorithm.md#exploration-and-the-calibration-gate; each option is our choice,
+exact V_root program (docs/algorithm.md#exploration-and-the-skill-gate; each option is our choice,
 off by default and ablated in benchmarks/learning.py).
 
 A deterministic argmax over a flat or miscalibrated predictor ranks prompts by noise, keeps picking the
@@ -14,11 +14,12 @@ same few and only ever gets labels for what it picked (measured at 85f38aa: belo
   and their outcomes are labels the predictor did not choose: the only ones on which its skill can be
   measured (on the prompts it picks, every prediction sits near 0.5, and an oracle scores no better
   than a constant there: issue 20);
-* a skill gate (`gate_skill`): the predictor steers only while the Brier skill score of its
-  out-of-sample predictions on the slice's outcomes over the last `gate_window` iterations (1 - Brier /
-  the base rate's Brier, `predictor/gauges.py`) is at least the threshold; otherwise every candidate
-  gets v = 0.5, which makes Stage 1 uniform (groups of `min_group` over a random pool). An oracle
-  scores well above 0 and a constant at or below it;
+* a skill gate (`gate_skill`): the predictor steers only while the Brier skill of its predictions on
+  the slice's outcomes over the last `gate_window` iterations is at least the threshold, the skill
+  being measured against the base rate known when they were made (the share of successes among the
+  bare rollouts of the `gate_window` iterations before; `gauges.skill_against`): both forecasts are
+  out of sample. Otherwise every candidate gets v = 0.5, which makes Stage 1 uniform (groups of
+  `min_group` over a random pool). An oracle scores well above 0, that base rate exactly 0;
 * `thompson`: the program runs on a sample v_i ~ Beta(a_i, b_i) of each candidate's success rate,
   where the per-prompt decayed Beta counts (`BetaPrior`) are combined with the predictor's estimate
   p_i worth `predictor_strength` pseudo-observations (only while the gate is open):
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from trace_lightning.allocation import BetaPrior
-from trace_lightning.gauges import brier_skill
+from trace_lightning.gauges import skill_against
 from trace_lightning.tree import SUCCESS, RolloutTree
 
 
@@ -72,8 +73,10 @@ class Selection:
     max_visits: int | None = None  # trainings a prompt may have within visit_window iterations
     visit_window: int = 8
     visits: dict[int, list[int]] = field(default_factory=dict)  # task_id -> iterations it trained in
-    # (iteration, prediction, successes, rollouts) of each slice candidate of the last gate_window iterations
-    history: list[tuple[int, float, float, float]] = field(default_factory=list)
+    # (iteration, prediction, base rate then, successes, rollouts) of each slice candidate, last gate_window
+    history: list[tuple[int, float, float, float, float]] = field(default_factory=list)
+    outcomes: list[tuple[int, float, float]] = field(default_factory=list)  # (it, successes, rollouts), all
+
     order: list[int] = field(default_factory=list)  # epoch_pools: the current pass, not yet drawn
 
     def __post_init__(self) -> None:
@@ -151,8 +154,8 @@ class Selection:
 
     def gate(self) -> tuple[bool, float]:
         """(predictions may steer, the windowed slice skill behind that decision)."""
-        p, s, n = (np.array([h[i] for h in self.history]) for i in (1, 2, 3))
-        value = brier_skill(p, s, n) if n.sum() >= self.gate_min_samples else float("nan")
+        p, ref, s, n = (np.array([h[i] for h in self.history]) for i in (1, 2, 3, 4))
+        value = skill_against(p, ref, s, n) if n.sum() >= self.gate_min_samples else float("nan")
         if self.gate_skill is None:
             return True, value
         return bool(np.isfinite(value) and value >= self.gate_skill), value
@@ -170,29 +173,38 @@ class Selection:
 
     # ------------------------------------------------------------------ after the rollouts
 
+    def base_rate(self) -> float:
+        """The share of successes among the bare rollouts of the last `gate_window` iterations (0.5
+        before any): the constant forecast the gate's skill is measured against."""
+        wins, n = sum(o[1] for o in self.outcomes), sum(o[2] for o in self.outcomes)
+        return wins / n if n else 0.5
+
     def observe(
         self, iteration: int, trees: Sequence[RolloutTree], pool_predicted: np.ndarray, slice_ids: set[int]
     ) -> RootQuality:
-        """Record visits and the gate's evidence (the slice's raw predictions and bare outcomes, out of
-        sample); how the raw root predictions fared."""
+        """Record visits and the gate's evidence (the slice's predictions, made before its outcomes, and
+        the base rate known then); how the root predictions fared."""
         steer, gate_value = self.gate()
-        window = [h for h in self.history if h[0] > iteration - self.gate_window]
-        new = []
+        base, new = self.base_rate(), []
         for tree in trees:
             self.visits.setdefault(tree.task_id, []).append(iteration)
             outcomes = bare_outcomes(tree)
             if tree.task_id in slice_ids and len(outcomes):
-                p = float(tree.root.predicted)  # type: ignore[arg-type]
-                new.append((iteration, p, float(outcomes.sum()), float(len(outcomes))))
-        self.history = window + new
+                pred = float(tree.root.predicted)  # type: ignore[arg-type]
+                new.append((iteration, pred, base, float(outcomes.sum()), float(len(outcomes))))
+        wins = [bare_outcomes(t) for t in trees]
+        self.outcomes = [o for o in self.outcomes if o[0] > iteration - self.gate_window]
+        total = (float(sum(w.sum() for w in wins)), float(sum(len(w) for w in wins)))
+        self.outcomes.append((iteration, *total))
+        self.history = [h for h in self.history if h[0] > iteration - self.gate_window] + new
         self.visits = {
             t: [i for i in its if i > iteration - self.visit_window] for t, its in self.visits.items()
         }
         self.visits = {t: its for t, its in self.visits.items() if its}
-        p, s, n = (np.array([h[i] for h in new]) for i in (1, 2, 3))
+        p, ref, s, n = (np.array([h[i] for h in new]) for i in (1, 2, 3, 4))
         return RootQuality(
             pool_spread=float(np.std(pool_predicted)) if len(pool_predicted) else float("nan"),
-            slice_skill=brier_skill(p, s, n) if len(new) else float("nan"),
+            slice_skill=skill_against(p, ref, s, n) if len(new) else float("nan"),
             gate_open=steer,
             gate_skill=gate_value,
         )
@@ -201,10 +213,12 @@ class Selection:
         return {
             "visits": {str(t): list(v) for t, v in self.visits.items()},
             "history": [list(h) for h in self.history],
+            "outcomes": [list(o) for o in self.outcomes],
             "order": list(self.order),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
-        self.history = [(int(i), float(p), float(s), float(n)) for i, p, s, n in state["history"]]
+        self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in state["history"]]  # type: ignore[misc]
+        self.outcomes = [(int(i), float(s), float(n)) for i, s, n in state.get("outcomes", [])]
         self.order = [int(t) for t in state["order"]]

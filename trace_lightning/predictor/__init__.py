@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.features import PrefixScorer
 from trace_lightning.predictor.head import FeatureScaler, SuccessHead, gather_positions
 from trace_lightning.predictor.refit import PredictorFit, ReplayEntry, replay_entry
@@ -36,7 +37,7 @@ POSTERIOR_FEATURES = 2  # the prompt's decayed posterior mean and log(1 + decaye
 class PredictorSettings:
     """The `predictor` config group, checked when made (at start-up, before any model is loaded).
 
-    width: hidden units of the head. lr: its learning rate (joint loss and refit).
+    width: hidden units of the head (0: a linear head). lr: its learning rate (joint loss and refit).
     coef: weight of the predictor MSE in the policy's loss (0: the head trains only in the refit).
     weighting: "leaves" weighs a prefix's target by its leaf count, "uniform" equally.
     backbone: a frozen companion LM folder the head reads instead of the policy (same tokenizer).
@@ -47,28 +48,39 @@ class PredictorSettings:
       text does not drift with the policy (issue 20). policy_features: read the policy's states (false:
       text only).
     label_decay: a replay target's weight is multiplied by this once per iteration of age (1: no decay).
+    calibrate: Platt-scale the head's root predictions on the bare outcomes of the last
+      calibration_window iterations' roots, predicted before they were seen (`calibration.py`).
     refit_steps / replay_window / refit_batch: the head-only refit after each iteration (0 steps: off).
+
+    The defaults are issue 20's predictor (docs/algorithm.md#the-success-predictor): the head reads the
+    prompt's and the prefix's text and the prompt's own record, not the policy's states, with
+    labels fading by age and calibrated roots. On the learning testbed the policy-state head (now
+    `policy_features=true text_buckets=0 posterior_features=false calibrate=false label_decay=1
+    width=256`) lost its skill online: Spearman 0.36 with the probed success rates against 0.67 for the
+    text head (BENCHMARKS.md "The predictor online").
     """
 
-    width: int = 256
-    lr: float = 1e-3
+    width: int = 64
+    lr: float = 3e-3
     coef: float = 0.0
     weighting: str = "leaves"
     backbone: str | None = None
     standardize: bool = True
     pooling: str = "last_mean"
-    posterior_features: bool = False
-    text_buckets: int = 0
-    policy_features: bool = True
-    label_decay: float = 1.0
+    posterior_features: bool = True
+    text_buckets: int = 1024
+    policy_features: bool = False
+    label_decay: float = 0.8
+    calibrate: bool = True
+    calibration_window: int = 8
     refit_steps: int = 50
-    replay_window: int = 8
+    replay_window: int = 16
     refit_batch: int = 256
 
     def __post_init__(self) -> None:
-        if self.width < 1 or self.lr <= 0 or self.coef < 0:
+        if self.width < 0 or self.lr <= 0 or self.coef < 0:
             raise ValueError(
-                f"predictor.width={self.width} (>= 1), predictor.lr={self.lr} (> 0) and "
+                f"predictor.width={self.width} (>= 0), predictor.lr={self.lr} (> 0) and "
                 f"predictor.coef={self.coef} (>= 0): one is out of range"
             )
         if self.weighting not in WEIGHTINGS:
@@ -95,7 +107,24 @@ class PredictorSettings:
                 "predictor.text_buckets and predictor.policy_features=false are read only by the refit; "
                 "set predictor.coef=0 (train the head by predictor.refit_steps)"
             )
+        if self.calibrate and self.refit_steps == 0:
+            raise ValueError(
+                "predictor.calibrate=true calibrates the refitted head: set predictor.refit_steps > 0"
+            )
         self.refit(seed=0)  # its ranges are checked now too
+
+    @classmethod
+    def policy_state(cls, **overrides: object) -> PredictorSettings:
+        """The head on the policy's own states alone (the design before issue 20, which the joint loss
+        `coef > 0` needs): no text, no prompt statistics, no calibration, no label decay."""
+        old = {
+            "policy_features": True,
+            "text_buckets": 0,
+            "posterior_features": False,
+            "calibrate": False,
+            "label_decay": 1.0,
+        }
+        return cls(**(old | overrides))  # type: ignore[arg-type]
 
     def input_size(self, hidden_size: int) -> int:
         """Columns of policy states the scorer reads for a backbone of `hidden_size` (no extras)."""
@@ -118,5 +147,6 @@ class PredictorSettings:
             self.lr,
             seed,
             label_decay=self.label_decay,
+            calibration=PlattCalibration(self.calibration_window) if self.calibrate else None,
         )
         return fit if self.refit_steps > 0 else None

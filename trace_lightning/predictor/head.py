@@ -10,25 +10,25 @@ class SuccessHead(nn.Module):
     """features [K, F] -> logit of P(success | prefix) [K].
 
     A row is [the policy's states at the prefix (`hidden_size`) ; `extra` prompt statistics ; `raw`
-    binary text features]. The first two parts are normalised: with `standardize`, by a `FeatureScaler`
-    fitted across prompts, otherwise by a LayerNorm (the original head). The text part (0/1 presence of
-    hashed n-grams) enters as it is: a standardiser would blow up a column that no root has.
+    binary text features]. The first two parts are normalised: with `standardize`, by a
+    `FeatureScaler` fitted across prompts, otherwise by a LayerNorm (the original head). The text part
+    (0/1 presence of hashed n-grams) enters as it is: a standardiser would blow up a column that no
+    root has. With `width` 0 the MLP is one linear layer (a logistic regression: fewer parameters for
+    the few labels an online refit has).
     """
 
     def __init__(
         self, hidden_size: int, width: int = 256, extra: int = 0, standardize: bool = False, raw: int = 0
     ) -> None:
         super().__init__()
-        if width < 1:
-            raise ValueError(f"predictor.width={width} must be >= 1")
+        if width < 0:
+            raise ValueError(f"predictor.width={width} must be >= 0 (0: a linear head)")
         self.scaled = hidden_size + extra
         self.scaler = FeatureScaler(self.scaled) if standardize else None
-        self.net = nn.Sequential(  # the layout (and state-dict keys) of the original head
-            nn.Identity() if standardize or not self.scaled else nn.LayerNorm(self.scaled),
-            nn.Linear(self.scaled + raw, width),
-            nn.GELU(),
-            nn.Linear(width, 1),
-        )
+        norm = nn.Identity() if standardize or not self.scaled else nn.LayerNorm(self.scaled)
+        hidden = [nn.Linear(self.scaled + raw, width), nn.GELU(), nn.Linear(width, 1)]
+        # the layout (and state-dict keys) of the original head; width 0: logistic regression
+        self.net = nn.Sequential(norm, *(hidden if width else [nn.Linear(self.scaled + raw, 1)]))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = features.detach().float()

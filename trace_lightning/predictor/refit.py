@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trace_lightning.losses import predictor_mse
+from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.tree import RolloutTree, backup
 
 
@@ -47,6 +48,7 @@ class PredictorFit:
     seed: int = 0
     replay: dict[int, ReplayEntry] = field(default_factory=dict)
     label_decay: float = 1.0
+    calibration: PlattCalibration | None = None  # maps the head's root predictions before Stage 1
 
     def __post_init__(self) -> None:
         if not 0 < self.label_decay <= 1:
@@ -108,12 +110,15 @@ class PredictorFit:
             "replay": {str(t): vars(e) for t, e in self.replay.items()},
             "optimizer": optimizer,
             "generator": self._generator.get_state(),
+            "calibration": self.calibration.state_dict() if self.calibration is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.replay = {int(t): ReplayEntry(**e) for t, e in state["replay"].items()}
         self._pending_optimizer_state, self._optimizer = state["optimizer"], None
         self._generator.set_state(state["generator"])
+        if self.calibration is not None and state.get("calibration") is not None:
+            self.calibration.load_state_dict(state["calibration"])
 
 
 def replay_entry(
