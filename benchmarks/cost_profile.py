@@ -44,6 +44,7 @@ from common import (
 
 from trace_lightning import allocation as alloc
 from trace_lightning.allocation import Budget
+from trace_lightning.callbacks import budget_spend
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.chain import ChainEnv
@@ -114,6 +115,9 @@ def run_point(
                     "total": total,
                     "leaves": rep.result.ledger.leaves_used,
                     "generated_tokens": rep.result.ledger.tokens_used,
+                    # the other budget units (issue 22); its seconds by phase are the PhaseClock's
+                    "prefill_tokens": budget_spend(rep)["budget/prefill_tokens"],
+                    "tool_calls": budget_spend(rep)["budget/tool_calls"],
                     "turns": rep.counters.turns,
                     "env_steps": clock.calls["env"],
                     "sync_calls": clock.calls["sync"],
@@ -141,6 +145,8 @@ def summarise(point: Point, iters: list[dict[str, Any]], overlaps: int) -> dict[
         "target_met": bool(control < TARGET_SHARE),
         "leaves_per_iteration": [it["leaves"] for it in iters],
         "generated_tokens": float(np.mean([it["generated_tokens"] for it in iters])),
+        "prefill_tokens": float(np.mean([it["prefill_tokens"] for it in iters])),
+        "tool_calls": float(np.mean([it["tool_calls"] for it in iters])),
         "policy_turns": float(np.mean([it["turns"] for it in iters])),
         "sync_calls": [it["sync_calls"] for it in iters],
         "phase_overlaps": overlaps,

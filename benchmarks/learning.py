@@ -58,7 +58,7 @@ from trace_lightning import allocation as alloc
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.batching import ESTIMATORS, GRPO, collate, leaf_sequences, node_advantages
-from trace_lightning.callbacks import SuccessProbe
+from trace_lightning.callbacks import BUDGET_UNITS, SuccessProbe, budget_row, running_sums
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
@@ -230,7 +230,7 @@ def difficulty(per_task: list[float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- one RL run
 
 
-def iteration_row(data: RolloutDataModule) -> dict[str, float]:
+def iteration_row(data: RolloutDataModule, train_seconds: float) -> dict[str, float]:
     res = data.report.result
     stats = [tree_stats(t) for t in res.trees]
     leaves = res.ledger.leaves_used
@@ -249,6 +249,7 @@ def iteration_row(data: RolloutDataModule) -> dict[str, float]:
         "slice_skill": quality.slice_skill if quality is not None else float("nan"),
         "gate": float(quality.gate_open) if quality is not None else float("nan"),
         "distinct_tasks": len({t.task_id for t in res.trees}),
+        **budget_row(data.report, train_seconds),  # every budget unit (issue 22), tokens and leaves too
     }
 
 
@@ -260,13 +261,16 @@ class Recorder(L.Callback):
         self.rows: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
 
+    def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.rows.append(iteration_row(trainer.datamodule))
+        self.rows.append(iteration_row(trainer.datamodule, time.perf_counter() - self._epoch_start))
         row = self.rows[-1]
         assert row["leaves"] == self.leaves, f"{self.name} spent {row['leaves']} leaves, budget {self.leaves}"
         it = len(self.rows)
         if it % self.args.eval_every == 0 or it == self.args.iterations:
-            cum = {k: int(sum(r[k] for r in self.rows)) for k in ("leaves", "tokens")}
+            cum = {k: sum(r[k] for r in self.rows) for k in BUDGET_UNITS}
             self.evals.append(
                 {
                     "iteration": it,
@@ -342,7 +346,7 @@ def train_run(
             true_v_oracle, data.collector, args.true_v_samples, seed
         )
     recorder = Recorder(name, heldout_env, args, seed, method.leaves)
-    recorder.evals.append({"iteration": 0, "leaves": 0, "tokens": 0, "success": start["success"]})
+    recorder.evals.append({"iteration": 0, **dict.fromkeys(BUDGET_UNITS, 0), "success": start["success"]})
     probe = SuccessProbe(args.probe_every, args.probe_half, args.max_per_prompt, seed=3_000_017 + 97 * seed)
     clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
@@ -359,7 +363,7 @@ def train_run(
         "method": name,
         "seed": seed,
         "leaves_per_iteration": method.leaves,
-        "iterations": rows,
+        "iterations": running_sums(rows),
         "evals": evals,
         "probes": [{"iteration": it, **m} for it, m in probe.history],
         "seconds": seconds,

@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 from trace_lightning import config
 from trace_lightning import warmstart as ws
 from trace_lightning.allocation import Budget, BudgetLedger
-from trace_lightning.callbacks import rollout_metrics
+from trace_lightning.callbacks import BUDGET_UNITS, budget_row, rollout_metrics, running_sums
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch
 from trace_lightning.module import TraceModule
@@ -113,6 +113,9 @@ class Recorder(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last = time.perf_counter()  # before the first iteration is sampled
 
+    def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()  # the iteration's sampling is done: training starts
+
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         report = trainer.datamodule.report  # type: ignore[attr-defined]
         m = rollout_metrics(report)
@@ -133,6 +136,8 @@ class Recorder(L.Callback):
                 "sample_seconds": report.sample_seconds,
                 "iteration_seconds": now - self._last,
                 "task_ids": sorted({t.task_id for t in report.result.trees}),
+                # every budget unit (issue 22): prefill tokens, tool calls, seconds by phase
+                **budget_row(report, now - self._epoch_start),
             }
         )
         self._last = now
@@ -197,7 +202,7 @@ def run_method(name: str, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     after = held_out_success(module, held_env, collector, args.eval_samples, args.seed)
     print(f"  held-out success after: {after['success']:.3f} +-{after['stderr']:.3f}", flush=True)
     return {
-        "iterations": recorder.rows,
+        "iterations": running_sums(recorder.rows),
         "held_out_before": before,
         "held_out_after": after,
         "start_fingerprint": start,
@@ -224,6 +229,7 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
         "heldout_delta_se": float(diff.std(ddof=1) / np.sqrt(len(diff))),
         "leaves_per_iteration": [r["leaves"] for r in rows],
         "tokens": int(sum(r["tokens"] for r in rows)),
+        "totals": {unit: rows[-1][f"{unit}_cum"] for unit in BUDGET_UNITS},  # the budget in every unit
         "seconds_per_iteration": float(np.mean([r["iteration_seconds"] for r in rows])),
         "fit_seconds": run["fit_seconds"],
     }

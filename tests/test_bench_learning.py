@@ -50,8 +50,11 @@ def test_learning_benchmark_quick_mode(tmp_path):
             if name in SAME_BUDGET:
                 assert run["leaves_per_iteration"] == config["leaves"]
             assert len(run["iterations"]) == config["iterations"]
-            for row in run["iterations"]:  # the budget is spent exactly, every iteration
+            for i, row in enumerate(run["iterations"]):  # the budget is spent exactly, every iteration
                 assert row["leaves"] == run["leaves_per_iteration"]
+                # every budget unit, per iteration and as a running sum (issue 22)
+                assert row["leaves_cum"] == (i + 1) * row["leaves"] and row["prefill_tokens"] > 0
+                assert row["seconds"] >= row["seconds_train"] > 0 and "tool_calls_cum" in row
                 assert 0.0 <= row["effective_ratio"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0
                 assert 0.0 <= row["pool_pred_sd"] <= 0.5 and 0 <= row["mixed_prompts"] <= row["prompts"]
             for e in run["evals"]:

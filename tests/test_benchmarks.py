@@ -59,7 +59,12 @@ def test_real_learning_quick_mode(tmp_path):
         assert s["leaves_per_iteration"] == [config["leaves"]] * config["iterations"]
         for row in run["iterations"]:
             assert not held_out & set(row["task_ids"])  # held-out tasks are never sampled for training
+            assert row["seconds"] >= row["seconds_sample"] + row["seconds_train"]
+            assert row["prefill_tokens"] > 0
             assert 1.0 <= row["turns_mean"] <= 3.0 and row["loss"] is not None
+        totals = s["totals"]  # the budget in every unit (issue 22): the last running sums
+        assert totals["leaves"] == config["leaves"] * config["iterations"] and totals["tokens"] == s["tokens"]
+        assert set(totals) == {"leaves", "tokens", "prefill_tokens", "tool_calls", "seconds"}
         # the held-out gain is the mean of the per-task differences, after minus before
         before, after = run["held_out_before"]["per_task"], run["held_out_after"]["per_task"]
         assert len(before) == config["held_out"] * 1 and set(run["held_out_before"]["task_ids"]) == held_out

@@ -14,10 +14,13 @@ from lightning.pytorch.loggers import MLFlowLogger
 from trace_lightning import allocation as alloc
 from trace_lightning.allocation import Budget, BudgetLedger
 from trace_lightning.callbacks import (
+    BUDGET_UNITS,
     PredictorCalibration,
     RolloutStats,
     TreeArtifacts,
     binary_scores,
+    budget_seconds,
+    budget_spend,
     calibration_metrics,
     rollout_metrics,
     samples_markdown,
@@ -111,15 +114,46 @@ def test_budget_metrics_add_up():
     assert "budget/prefill_tokens" not in rollout_metrics(make_report())  # no engine, no engine keys
 
 
+def test_budget_units_of_a_hand_built_report():
+    report = make_report(engine_stats=EngineStats(prefill_tokens=40))
+    report.sample_seconds, report.sync_seconds, report.collect_seconds = 3.0, 0.5, 5.0
+    # the ledger: 5 leaves, 14 tokens; the counters: 3 tool calls; the engine: 40 prefill tokens
+    assert budget_spend(report) == {
+        "budget/leaves": 5,
+        "budget/tokens": 14,
+        "budget/prefill_tokens": 40,
+        "budget/tool_calls": 3,
+    }
+    assert rollout_metrics(report)["budget/tool_calls"] == 3  # logged with the iteration's metrics
+    # 5 s collecting (3 sampling, 0.5 syncing, so 1.5 other) + 2 s of optimizer steps
+    assert budget_seconds(report, train_seconds=2.0) == {
+        "budget/seconds": 7.0,
+        "budget/seconds_sample": 3.0,
+        "budget/seconds_sync": 0.5,
+        "budget/seconds_train": 2.0,
+        "budget/seconds_other": 1.5,
+    }
+    assert {f"budget/{unit}" for unit in BUDGET_UNITS} <= set(
+        budget_spend(report) | budget_seconds(report, 0)
+    )
+
+
 def test_cumulative_budget_sums_count_each_iteration_once_and_resume():
     stats = RolloutStats()
-    stats.metrics(make_report(iteration=0))
-    stats.metrics(make_report(iteration=0))  # the same iteration seen again: not added twice
-    m = stats.metrics(make_report(iteration=1))
-    assert (m["budget/leaves_cum"], m["budget/tokens_cum"]) == (10, 28)
+    first = make_report(iteration=0, engine_stats=EngineStats(prefill_tokens=40))
+    first.collect_seconds = 5.0
+    stats.units(first, 1.0)
+    stats.units(first, 1.0)  # the same iteration seen again: not added twice
+    m = stats.units(make_report(iteration=1), 2.0)  # no engine counters: 0 prefill tokens
+    assert (m["budget/leaves_cum"], m["budget/tokens_cum"], m["budget/tool_calls_cum"]) == (10, 28, 6)
+    assert (m["budget/prefill_tokens_cum"], m["budget/seconds_cum"]) == (40, 5.0 + 1.0 + 0.0 + 2.0)
+    assert m["budget/seconds_train_cum"] == 3.0 and m["budget/seconds_train"] == 2.0
     resumed = RolloutStats()
     resumed.load_state_dict(stats.state_dict())
-    assert resumed.metrics(make_report(iteration=2))["budget/leaves_cum"] == 15
+    assert resumed.units(make_report(iteration=2), 0.0)["budget/leaves_cum"] == 15
+    old = RolloutStats()  # a checkpoint written before the budget units kept two running sums
+    old.load_state_dict({"leaves_cum": 10, "tokens_cum": 28, "last_iteration": 1})
+    assert old.units(make_report(iteration=2), 0.0)["budget/tokens_cum"] == 42
 
 
 def test_calibration_metrics_by_hand():
@@ -220,10 +254,21 @@ def test_fit_logs_metrics_and_artifacts_to_mlflow(tiny_model_dir, tmp_path, monk
             "budget/leaves_cum",
             "predictor/source",
             "budget/prefill_tokens",
+            "budget/prefill_tokens_cum",
+            "budget/tool_calls_cum",
+            "budget/seconds",
+            "budget/seconds_cum",
+            "budget/seconds_train",
         )
     }
     assert len(history["rollout/effective_ratio"]) == 2
     assert history["budget/leaves"] == [12, 12] and history["budget/leaves_cum"] == [12, 24]
+    prefill = history["budget/prefill_tokens"]
+    assert history["budget/prefill_tokens_cum"] == [prefill[0], prefill[0] + prefill[1]]
+    assert history["budget/tool_calls_cum"] == [0, 0]  # the chain task has no tool
+    seconds = history["budget/seconds"]
+    assert all(s > t > 0 for s, t in zip(seconds, history["budget/seconds_train"], strict=True))
+    assert history["budget/seconds_cum"] == pytest.approx([seconds[0], seconds[0] + seconds[1]])
     assert history["predictor/source"] == [1.0, 1.0] and all(v > 0 for v in history["budget/prefill_tokens"])
     artifacts = {
         a.path for folder in ("trees", "samples") for a in client.list_artifacts(logger.run_id, folder)

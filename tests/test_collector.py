@@ -15,6 +15,7 @@ from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
+from trace_lightning.evaluation import EvalSettings
 
 
 class CountingEngine(HFEngine):
@@ -84,8 +85,18 @@ def test_training_logprobs_use_the_sampling_temperature(tiny_model_dir):
         expected = torch.log_softmax(logits / 0.5, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         got, _ = cold._forward(cold.policy, ids, mask)
     torch.testing.assert_close(got[:, 1:], expected)
+
+
+def test_training_refuses_greedy_decoding(tiny_model_dir):
+    """Temperature 0 is greedy decoding, for evaluation only: RL needs sampled rollouts and log-probs at a
+    temperature, so the collector and the module refuse it, naming the key."""
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    with pytest.raises(ValueError, match="sampling.temperature=0.0 must be > 0"):
+        make_data(sampling=greedy)
+    with pytest.raises(ValueError, match="sampling.temperature=0.0 must be > 0"):
+        make_module(tiny_model_dir, temperature=0.0)
     with pytest.raises(ValueError, match="sampling.temperature"):
-        SamplingParams(temperature=0.0)
+        SamplingParams(temperature=-0.1)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
@@ -117,9 +128,12 @@ def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouc
     evaluated, plain = make_data(held_out=6), make_data(held_out=6)
     held = set(evaluated.collector.held_out)
     assert len(held) == 6 and held == set(plain.collector.held_out)
+    settings = EvalSettings(samples=2, seed=5, temperature=0.5)
     for _ in range(2):
-        result = evaluated.collector.evaluate(module, samples=2, seed=5)
-        assert result.episodes == 12 and 0.0 <= result.success <= 1.0 and result.turns >= 1
+        result = evaluated.collector.evaluate(module, settings)
+        assert result.episodes == 12 and set(result.task_ids) == held and 0.0 <= result.pass_at_1 <= 1.0
+        assert result.turns >= 1 and result.temperature == 0.5 and result.seconds > 0
+        assert evaluated.collector.runner.sampling.temperature == 1.0  # the training temperature is back
         a, b = evaluated.build_iteration(module), plain.build_iteration(module)
         ta, tb = evaluated.report.result.trees, plain.report.result.trees
         assert [t.task_id for t in ta] == [t.task_id for t in tb] and not held & {t.task_id for t in ta}
@@ -129,8 +143,42 @@ def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouc
         assert evaluated.report.counters == plain.report.counters
         assert len(a) == len(b)
     # the same seed, the same policy: the same evaluation
-    assert evaluated.collector.evaluate(module, 2, 5) == evaluated.collector.evaluate(module, 2, 5)
-    assert make_data().collector.evaluate(module, 2, 5) is None  # nothing held out
+    again = [evaluated.collector.evaluate(module, settings).successes for _ in range(2)]
+    assert again[0] == again[1]
+    assert make_data().collector.evaluate(module, settings) is None  # nothing held out
+
+
+class TemperatureSpy(HFEngine):
+    """Records the temperature of every generate call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.temperatures = []
+
+    def generate(self, prompts, params):
+        self.temperatures.append(params.temperature)
+        return super().generate(prompts, params)
+
+
+def test_evaluation_samples_at_its_own_temperature_on_the_chosen_tasks(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    data = make_data(held_out=4, engine=functools.partial(TemperatureSpy, max_batch_size=16))
+    collector = data.collector
+    greedy = collector.evaluate(module, EvalSettings(samples=1, temperature=0.0, tasks="all"))
+    engine = collector.runner.engine
+    assert set(engine.temperatures) == {0.0} and greedy.temperature == 0.0 and greedy.samples == 1
+    assert (
+        sorted(greedy.task_ids) == sorted(collector.train_ids + collector.held_out)
+        and len(greedy.task_ids) == 24
+    )
+    engine.temperatures.clear()
+    trained = collector.evaluate(module, EvalSettings(samples=2, tasks="train", k=2))
+    assert set(engine.temperatures) == {1.0} and trained.temperature == 1.0  # null: the training one
+    assert list(trained.task_ids) == collector.train_ids and trained.k == 2
+    engine.temperatures.clear()
+    data.build_iteration(module)
+    assert set(engine.temperatures) == {1.0}  # training samples at its own temperature again
 
 
 def test_held_out_success_draws_the_curve_before_training_and_every_k_iterations(tiny_model_dir):
@@ -139,12 +187,13 @@ def test_held_out_success_draws_the_curve_before_training_and_every_k_iterations
     from trace_lightning.callbacks import HeldOutSuccess
 
     torch.manual_seed(0)
-    curve = HeldOutSuccess(every_n_epochs=2, samples=1)
+    curve = HeldOutSuccess(EvalSettings(samples=2, every_n_iterations=2))
     fit(make_module(tiny_model_dir), make_data(held_out=4), epochs=3, callbacks=[curve])
     assert [trained for trained, _ in curve.history] == [0, 2, 3]  # before, every 2, and the last
-    assert all(r.episodes == 4 for _, r in curve.history)
-    with pytest.raises(ValueError, match="callbacks.held_out.samples"):
-        HeldOutSuccess(samples=0)
+    assert all(r.episodes == 8 and r.samples == 2 for _, r in curve.history)
+    resumed = HeldOutSuccess(EvalSettings(samples=2, every_n_iterations=2))
+    resumed.load_state_dict(curve.state_dict())  # the curve survives a resume (plain values only)
+    assert resumed.history == curve.history
 
 
 def test_held_out_count_is_checked_against_the_tasks():

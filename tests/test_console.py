@@ -25,24 +25,28 @@ from trace_lightning.console import (
     quiet_known_warnings,
     summary_text,
 )
+from trace_lightning.engines.base import EngineStats
 from trace_lightning.engines.vllm import route_logger_to_run_log
+from trace_lightning.evaluation import score
+from trace_lightning.tree import RolloutTree
 
 SYNC_DIST = "It is recommended to use `self.log("
 
 
-def row(iteration, success, effective, roots, prefixes, tokens, turns, sample, train):
+def row(iteration, success, effective, roots, prefixes, tokens, turns, sample, train, prefill=500, tools=3):
     return IterationSummary(
-        iteration, success, effective, roots, prefixes, 12, tokens, turns, sample, 0.5, train
+        iteration, success, effective, roots, prefixes, 12, tokens, prefill, tools, turns, sample, 0.5, train
     )
 
 
 def test_iteration_summary_of_a_hand_built_report():
-    report = make_report()  # test_callbacks: a mixed tree (3 leaves, 1 win) and a failed one (2 leaves)
+    # test_callbacks: a mixed tree (3 leaves, 1 win) and a failed one (2 leaves), 3 tool calls
+    report = make_report(engine_stats=EngineStats(prefill_tokens=40))
     report.sample_seconds, report.sync_seconds = 2.5, 0.25
     got = iteration_summary(report, train_seconds=1.5)
     # 1 win in 5 leaves; 1 of 2 trees mixed, at its root and at prefix node 1; the ledger charged
-    # 3+2+4+4+1 = 14 tokens; leaf depths 2, 1, 2, 1, 1.
-    assert got == IterationSummary(0, 0.2, 0.5, 1, 1, 5, 14, 1.4, 2.5, 0.25, 1.5)
+    # 3+2+4+4+1 = 14 tokens; 40 prefill tokens; leaf depths 2, 1, 2, 1, 1.
+    assert got == IterationSummary(0, 0.2, 0.5, 1, 1, 5, 14, 40, 3, 1.4, 2.5, 0.25, 1.5)
 
 
 def test_summary_text_from_known_iterations():
@@ -60,24 +64,49 @@ def test_summary_text_from_known_iterations():
         "     1     0.75       1.00              3 / 2      12    2,000   2.00      12.0      4.5",
         # (0.25 * 12 + 0.75 * 12) / 24 leaves; (0.5 + 1.0) / 2 iterations
         "success 0.50 over all leaves (first iteration 0.25, last 0.75); effective ratio 0.75",
-        "mixed anchors: 5 roots, 2 turn prefixes; 24 leaves, 3,234 generated tokens",
-        # 95 s of wall time less 22 s sampling, 2 x 0.5 s sync and 8 s training
-        "time: sampling 22.0 s, weight sync 1.0 s, training 8.0 s, other 1 min 04 s",
+        "mixed anchors: 5 roots, 2 turn prefixes",
+        "spent: 24 leaves, 3,234 generated tokens, 1,000 prefill tokens, 6 tool calls",
+        # 95 s of wall time less 22 s sampling, 2 x 0.5 s sync and 8 s training; 95 s / 24 leaves
+        "time: sampling 22.0 s, weight sync 1.0 s, training 8.0 s, other 1 min 04 s; 4.0 s per leaf",
     ]
 
 
 def test_a_long_run_summary_stays_one_screen():
     its = tuple(row(i, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0) for i in range(40))
     lines = summary_text(FitSummary(its, 200.0)).splitlines()
-    assert len(lines) == 2 + 6 + 1 + 6 + 3  # title, header, first 6, "... 28 more", last 6, totals
-    assert "  ... 28 more" in lines and lines[-4].split()[0] == "39"
+    assert len(lines) == 2 + 6 + 1 + 6 + 4  # title, header, first 6, "... 28 more", last 6, totals
+    assert "  ... 28 more" in lines and lines[-5].split()[0] == "39"
     assert summary_text(FitSummary((), 3.0)) == "TRACE summary: no iteration finished (3.0 s)."
+
+
+def evaluated(successes, samples=4, k=4, temperature=0.8):
+    """An evaluation of tasks 0, 1, ... with these success counts (scored by evaluation.score)."""
+    trees = []
+    for task, c in enumerate(successes):
+        tree = RolloutTree(task, [1, 2])
+        for r in [1.0] * c + [0.0] * (samples - c):
+            tree.finish(tree.add_turn(0, "bare", [3], []), r, "answer")
+        trees.append(tree)
+    return score(trees, k, temperature, 1.0)
 
 
 def test_the_summary_ends_with_the_held_out_learning_curve():
     its = (row(0, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0),)
-    lines = summary_text(FitSummary(its, 10.0, ((0, 0.25), (2, 0.5)))).splitlines()
-    assert lines[-1] == "held-out success (eval/success): 0.25 after 0, 0.50 after 2"
+    # before: tasks solved 0, 2 and 4 times of 4: pass@1 0.5, SE = std([0, .5, 1]) / sqrt(3) = 0.5 /
+    # 1.732 = 0.29; pass@4: 0, 1, 1 -> 0.67 +- 0.33. After: 1, 3, 4 of 4: pass@1 0.67 +- 0.22 (by
+    # hand: std([.25, .75, 1]) = 0.382), pass@4 1.00 +- 0. Change per task +0.25, +0.25, 0: +0.17 +- 0.08.
+    curve = ((0, evaluated([0, 2, 4])), (2, evaluated([1, 3, 4])))
+    lines = summary_text(FitSummary(its, 10.0, curve)).splitlines()
+    assert lines[-3:] == [
+        "held-out pass@1 ± SE (3 tasks x 4 episodes, temperature 0.8): "
+        "0.50 ± 0.29 after 0, 0.67 ± 0.22 after 2",
+        "held-out pass@4 ± SE: 0.67 ± 0.33 after 0, 1.00 ± 0.00 after 2",
+        "pass@1 change since the start (paired by task): +0.17 ± 0.08",
+    ]
+    greedy = summary_text(FitSummary(its, 10.0, ((0, evaluated([0, 1], samples=1, k=1, temperature=0.0)),)))
+    assert (
+        greedy.splitlines()[-1] == "held-out pass@1 ± SE (2 tasks x 1 episodes, greedy): 0.50 ± 0.50 after 0"
+    )
     assert "held-out" not in summary_text(FitSummary(its, 10.0))  # no held-out tasks, no line
 
 

@@ -200,7 +200,7 @@ def test_lora_wrapped_policy(tiny_policy):
     ("kwargs", "match"),
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
     ],
@@ -253,3 +253,24 @@ def test_one_token_prompts_have_nothing_to_share(engine):
     assert [len(c.token_ids) for c in out] == [4, 4, 4] or any(c.finish_reason == "eos" for c in out)
     assert engine.stats.prefill_tokens == 3 and engine.stats.reused_prefill_tokens == 0
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_temperature_zero_decodes_greedily(engine):
+    """Greedy decoding (evaluation only): each token is the argmax of a plain forward pass over the prompt
+    and the tokens before it, whatever the torch seed; log-probs are the model's own (temperature 1)."""
+    model, tok = engine.model, engine.tokenizer
+    prompts = [_chat(tok, "What is the capital of France?"), tok.encode("The river"), tok.encode("The river")]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    torch.manual_seed(0)
+    first = engine.generate(prompts, params)
+    torch.manual_seed(123)
+    assert engine.generate(prompts, params) == first
+    for prompt, c in zip(prompts, first, strict=True):
+        ids = list(prompt)
+        for token in c.token_ids:  # the argmax chain, one forward per step
+            with torch.no_grad():
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            assert ids[-1] == token
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), _reference_logprobs(model, prompt, c, 1.0), atol=1e-4, rtol=0
+        )

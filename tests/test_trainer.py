@@ -170,6 +170,10 @@ def test_cli_run_lands_in_mlflow_and_resume_continues_the_run(tmp_path):
     assert link in first.stdout
     assert run.data.params["budget.leaves"] == "6"
     assert run.data.tags["allocator"] == "trace" and run.data.tags["env"] == "chain"
+    assert (run.data.tags["base_model"], run.data.tags["warm_start"]) == ("tiny_model", "none")
+    # the console: Lightning's INFO lines (seed, accelerator, the litlogger tip) go to the log file
+    assert "litlogger" not in first.stdout + first.stderr and "Seed set to" not in first.stderr
+    assert "litlogger" in (run_dir / "trainer.log").read_text()
     assert "train/loss" in run.data.metrics
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert client.list_artifacts(run.info.run_id), "the checkpoint should be attached to the run"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -207,3 +208,41 @@ def test_the_warm_start_eval_script_runs_on_a_tiny_model(tiny_model_dir):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["held_out_task_ids"]) == 2 and 0.0 <= result["success"] <= 1.0
     assert 1.0 <= result["turns_mean"] <= 3.0  # at most 3 turns, at least one
+
+
+def test_the_warm_start_console_is_quiet(tmp_path):
+    """One progress bar for the fit and the trainer's console rules: no bm25s DEBUG line (search_qa
+    builds a BM25 index), no transformers loading bars, no Lightning INFO lines or tips (they go to
+    <run_dir>/warmstart.log), no deprecation warnings."""
+    env_name = "search_qa" if HAS_DATA else "math_tool"
+    args = [
+        "model=tiny",
+        f"env={env_name}",
+        "logger=none",
+        "max_demos=4",
+        "trainer.max_epochs=2",
+        "batch_size=2",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trace_lightning.warmstart",
+            f"output_root={tmp_path}",
+            f"run_dir={tmp_path}/ws",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    for noise in ("DEBUG", "INFO", "litlogger", "Loading weights", "Writing model", "Warning", "Epoch 0"):
+        assert noise not in console, (noise, console[-2000:])
+    bars = {line.split(":")[0] for line in proc.stderr.replace("\r", "\n").splitlines() if "%|" in line}
+    assert bars == {"warm start"}  # one bar: 4 demonstrations x 2 epochs / batch 2 = 4 steps
+    assert "4/4" in proc.stderr and "warm start: 4 demonstrations" in proc.stdout
+    assert "Seed set to" in (tmp_path / "ws" / "warmstart.log").read_text()

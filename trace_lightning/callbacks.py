@@ -7,9 +7,11 @@ hook `datamodule.report` describes the iteration the coming epoch trains on. Key
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ from torchmetrics.functional.classification import binary_auroc, binary_calibrat
 
 from trace_lightning import gauges
 from trace_lightning.allocation import BudgetLedger
-from trace_lightning.collector import HeldOutResult, IterationReport
+from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
+from trace_lightning.evaluation import EvalResult, EvalSettings, paired_change
 from trace_lightning.plots import draw_tree
 from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
 
@@ -40,6 +43,7 @@ def rollout_metrics(report: IterationReport) -> dict[str, float]:
     return (
         _rollout_part(report, stats)
         | _budget_part(report.result.ledger, report.engine_stats)
+        | {"budget/tool_calls": float(report.counters.tool_calls)}
         | _tree_part(stats)
         | _engine_part(report)
     )
@@ -137,40 +141,124 @@ def _latest_report(trainer: Trainer) -> IterationReport | None:
     return getattr(_datamodule(trainer), "report", None)
 
 
+# The units a run's cost is counted in (issue 22): peers hold different ones equal (leaves in
+# Tree-GRPO, generated tokens in TreeRL, tool calls in ARPO, device time in TreePO). Each is logged per
+# iteration as `budget/<unit>` and cumulatively as `budget/<unit>_cum`; `compare --x <unit>` plots
+# against the running total.
+BUDGET_UNITS = ("leaves", "tokens", "prefill_tokens", "tool_calls", "seconds")
+
+
+def budget_spend(report: IterationReport) -> dict[str, float]:
+    """What the iteration's rollouts spent: leaves, generated tokens, prefill tokens (this process's
+    engine; 0 without engine counters) and tool calls."""
+    engine = report.engine_stats
+    return {
+        "budget/leaves": float(report.result.ledger.leaves_used),
+        "budget/tokens": float(report.result.ledger.tokens_used),
+        "budget/prefill_tokens": float(engine.prefill_tokens if engine is not None else 0),
+        "budget/tool_calls": float(report.counters.tool_calls),
+    }
+
+
+def budget_seconds(report: IterationReport, train_seconds: float) -> dict[str, float]:
+    """The iteration's wall seconds, and by phase.
+
+    `seconds` runs from the start of the iteration's sampling to its last optimizer step: `sample` is
+    tree building (scoring, allocation, generation, tool calls), `sync` the engine's weight sync, `train`
+    the optimizer steps, and `other` the rest of the collection (predictor refit, advantages, the old
+    log-prob pass). Held-out evaluation and checkpoint writing are not counted (see `eval/seconds`)."""
+    sample, sync = report.sample_seconds, report.sync_seconds
+    return {
+        "budget/seconds": report.collect_seconds + train_seconds,
+        "budget/seconds_sample": sample,
+        "budget/seconds_sync": sync,
+        "budget/seconds_train": train_seconds,
+        "budget/seconds_other": max(report.collect_seconds - sample - sync, 0.0),
+    }
+
+
+def budget_row(report: IterationReport, train_seconds: float) -> dict[str, float]:
+    """The same units keyed by plain name (`leaves`, ..., `tool_calls`, `seconds`, `seconds_train`):
+    the rows the benchmarks' JSON carry."""
+    units = budget_spend(report) | budget_seconds(report, train_seconds)
+    return {key.removeprefix("budget/"): value for key, value in units.items()}
+
+
+def running_sums(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with `<unit>_cum` added for every budget unit it carries (rows in iteration order)."""
+    totals: dict[str, float] = {}
+    out = []
+    for row in rows:
+        units = [k for k in row if k in BUDGET_UNITS or k.startswith("seconds_")]
+        totals |= {k: totals.get(k, 0.0) + float(row[k]) for k in units}
+        out.append(row | {f"{k}_cum": totals[k] for k in units})
+    return out
+
+
 class RolloutStats(Callback):
-    """Logs `rollout/*`, `budget/*` and `tree/*` once per iteration, plus running sums of leaves and
-    tokens (x-axes for success against budget spent) that survive a resume through `state_dict`."""
+    """Logs `rollout/*`, `budget/*` and `tree/*` once per iteration; when its training ends, its seconds
+    by phase (`budget_seconds`) and the running sum of every budget unit (`budget/<unit>_cum`, x-axes
+    for success against budget spent), which survive a resume through `state_dict`."""
 
     def __init__(self) -> None:
-        self.leaves_cum, self.tokens_cum, self.last_iteration = 0, 0, -1
+        self.cum: dict[str, float] = {}
+        self.last_iteration = -1
+        self._report: IterationReport | None = None
+        self._first_step_start = self._last_step_end = 0.0
 
     def metrics(self, report: IterationReport) -> dict[str, float]:
-        out = rollout_metrics(report)
+        return rollout_metrics(report)
+
+    def units(self, report: IterationReport, train_seconds: float) -> dict[str, float]:
+        """What `on_train_epoch_end` logs: the iteration's seconds by phase and the running sums of every
+        unit (`budget/<unit>_cum`), counted once per iteration. (The per-iteration spend is in `metrics`,
+        logged when the epoch starts.)"""
+        seconds = budget_seconds(report, train_seconds)
         if report.iteration != self.last_iteration:  # an unreloaded dataloader must not count twice
-            self.leaves_cum += report.result.ledger.leaves_used
-            self.tokens_cum += report.result.ledger.tokens_used
+            for key, value in (budget_spend(report) | seconds).items():
+                self.cum[key] = self.cum.get(key, 0.0) + value
             self.last_iteration = report.iteration
-        return out | {
-            "budget/leaves_cum": float(self.leaves_cum),
-            "budget/tokens_cum": float(self.tokens_cum),
-        }
+        return seconds | {f"{key}_cum": total for key, total in self.cum.items()}
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if (report := _latest_report(trainer)) is not None:
-            metrics = self.metrics(report)
+        report = _latest_report(trainer)
+        # On resume the first epoch re-serves an iteration already counted: no units for it.
+        self._report = report if report is not None and report.iteration != self.last_iteration else None
+        self._first_step_start = self._last_step_end = time.perf_counter()
+        if report is not None:
             # The report is gathered over processes, so every process logs the same keys and values;
             # sync_dist only makes that explicit to Lightning (which warns otherwise).
-            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+            pl_module.log_dict(
+                self.metrics(report), on_step=False, on_epoch=True, batch_size=1, sync_dist=True
+            )
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 0:  # what other callbacks run as the epoch starts (a probe) is not training
+            self._first_step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._last_step_end = time.perf_counter()  # what runs at the epoch's end (evaluation) is not training
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._report is not None:
+            units = self.units(self._report, self._last_step_end - self._first_step_start)
+            pl_module.log_dict(units, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+            self._report = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "leaves_cum": self.leaves_cum,
-            "tokens_cum": self.tokens_cum,
-            "last_iteration": self.last_iteration,
-        }
+        return {"cum": dict(self.cum), "last_iteration": self.last_iteration}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.leaves_cum, self.tokens_cum = int(state_dict["leaves_cum"]), int(state_dict["tokens_cum"])
+        self.cum = {k: float(v) for k, v in state_dict.get("cum", {}).items()}
+        if "leaves_cum" in state_dict:  # checkpoints written before the budget units (issue 22)
+            self.cum = {
+                "budget/leaves": float(state_dict["leaves_cum"]),
+                "budget/tokens": float(state_dict["tokens_cum"]),
+            }
         self.last_iteration = int(state_dict["last_iteration"])
 
 
@@ -178,22 +266,19 @@ class RolloutStats(Callback):
 
 
 class HeldOutSuccess(Callback):
-    """The learning curve: success on the `data.held_out` tasks, which are never drawn into a pool,
-    before training and after every `every_n_epochs` iterations (and the last), `samples` episodes each
-    with the same seed every time. Logs `eval/success`, `eval/reward` and `eval/turns` at the global
-    step; `history` keeps (iterations trained, result) for the console summary.
+    """The learning curve: pass@1 and pass@k with standard errors on the `eval.tasks` (by default the
+    `data.held_out` tasks, never drawn into a pool), before training, after every
+    `eval.every_n_iterations` iterations and after the last, with the same episodes' seed every time
+    (`evaluation.py` says how the numbers are computed). Logs `eval/*` at the global step, plus
+    `eval/pass_at_1_change` and its `_se`: the change since the first point, paired by task. `history`
+    keeps (iterations trained, result) for the console summary, and survives a resume.
 
     Per-iteration `rollout/success_rate` is no learning curve: it follows which prompts Stage 1 picked
     (TRACE picks those likely to have mixed outcomes). This measures one fixed set."""
 
-    def __init__(self, every_n_epochs: int = 2, samples: int = 2, seed: int = 1_000_003) -> None:
-        if every_n_epochs < 1 or samples < 1:
-            raise ValueError(
-                f"callbacks.held_out.every_n_epochs={every_n_epochs} and "
-                f"callbacks.held_out.samples={samples} must be >= 1"
-            )
-        self.every_n_epochs, self.samples, self.seed = every_n_epochs, samples, seed
-        self.history: list[tuple[int, HeldOutResult]] = []
+    def __init__(self, settings: EvalSettings | None = None) -> None:
+        self.settings = settings if settings is not None else EvalSettings()
+        self.history: list[tuple[int, EvalResult]] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._evaluate(trainer, pl_module, trainer.current_epoch)
@@ -201,27 +286,54 @@ class HeldOutSuccess(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trained = trainer.current_epoch + 1
         last = trainer.max_epochs is not None and trained >= trainer.max_epochs
-        if trained % self.every_n_epochs == 0 or last:
+        if trained % self.settings.every_n_iterations == 0 or last:
             self._evaluate(trainer, pl_module, trained)
 
     def _evaluate(self, trainer: Trainer, pl_module: LightningModule, trained: int) -> None:
         collector = getattr(_datamodule(trainer), "collector", None)
-        if collector is None or (self.history and self.history[-1][0] == trained):
+        if collector is None or any(done == trained for done, _ in self.history):
             return
-        result = collector.evaluate(pl_module, self.samples, self.seed)
+        episodes = len(collector.eval_tasks(self.settings.tasks)) * self.settings.samples
+        bar = _episode_bar(trainer, f"evaluation after {trained} iterations", episodes)
+        try:
+            result = collector.evaluate(
+                pl_module, self.settings, None if bar is None else lambda: bar.update(1)
+            )
+        finally:
+            if bar is not None:
+                bar.close()
         if result is None:  # data.held_out=0: nothing to evaluate on
             return
         self.history.append((trained, result))
-        metrics = {
-            "eval/success": result.success,
-            "eval/reward": result.reward,
-            "eval/turns": result.turns,
-            "eval/iterations_trained": float(trained),
-        }
+        metrics = result.metrics() | {"eval/iterations_trained": float(trained)}
+        change, change_se = paired_change(self.history[0][1], result)
+        metrics |= {"eval/pass_at_1_change": change, "eval/pass_at_1_change_se": change_se}
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        # where other callbacks read metrics (checkpoints.export.ModelArtifact(best="eval/success"))
+            logger.log_metrics(
+                {k: v for k, v in metrics.items() if math.isfinite(v)}, step=trainer.global_step
+            )
+        # where other callbacks read metrics (checkpoints.export.ModelArtifact(best="eval/pass_at_1"))
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The curve so far as plain values (checkpoints load only allow-listed types)."""
+        return {"history": [(trained, dataclasses.asdict(r)) for trained, r in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [(int(t), _eval_result(r)) for t, r in state_dict.get("history", [])]
+
+
+def _episode_bar(trainer: Trainer, description: str, total: int) -> Any:
+    """A progress bar from the run's progress display when it offers one (`console.IterationProgress`,
+    only while enabled and with something to count), else None."""
+    open_bar = getattr(trainer.progress_bar_callback, "episode_bar", None)
+    return open_bar(description, total) if open_bar is not None and total > 0 else None
+
+
+def _eval_result(fields: dict[str, Any]) -> EvalResult:
+    return EvalResult(
+        **{**fields, "task_ids": tuple(fields["task_ids"]), "successes": tuple(fields["successes"])}
+    )
 
 
 # --------------------------------------------------------------------------- Monte Carlo probe

@@ -28,8 +28,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches
 from trace_lightning.distributed import Processes
-from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams
+from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, split_tasks
+from trace_lightning.evaluation import EvalResult, EvalSettings, score
 from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
@@ -67,16 +68,8 @@ class IterationReport:
     local_trees: list[RolloutTree] | None = None  # this process's part of `result.trees`
     pool_ids: list[int] | None = None  # the candidate pool's task ids, in `result.pool_predicted`'s order
     root_estimates: np.ndarray | None = None  # [P] what Stage 1 optimised over (after selection)
-
-
-@dataclass(frozen=True)
-class HeldOutResult:
-    """The current policy on the held-out tasks (`RolloutCollector.evaluate`)."""
-
-    success: float  # share of episodes with reward >= tree.SUCCESS
-    reward: float  # mean episode reward
-    turns: float  # mean policy turns per episode
-    episodes: int
+    # the whole `collect` call: sync, sampling, the refit and the batches' old log-probs (budget/seconds)
+    collect_seconds: float = 0.0
 
 
 class Learner(Protocol):
@@ -122,6 +115,7 @@ class RolloutCollector:
         seed: int,
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
+        require_sampling(sampling)
         ids = [t.task_id for t in env.tasks()]
         if not 0 <= held_out < len(ids):
             raise ValueError(
@@ -180,6 +174,7 @@ class RolloutCollector:
     def collect(self, module: Learner, processes: Processes = Processes()) -> list[RolloutBatch]:
         """Sample one iteration of trees with the module's current policy and turn them into batches;
         `self.report` describes it. With several processes see `distributed.py`."""
+        began = time.perf_counter()
         self.start(module)
         runner = self.runner
         assert runner is not None
@@ -251,22 +246,31 @@ class RolloutCollector:
             local_trees=local.trees,
             pool_ids=pool_ids,
             root_estimates=estimates,
+            collect_seconds=time.perf_counter() - began,
         )
         self.iteration += 1
         return batches
 
-    def evaluate(self, module: Learner, samples: int, seed: int) -> HeldOutResult | None:
-        """`samples` episodes of every held-out task with the current policy (None: none held out),
-        outside every training stream (`play`)."""
-        if not self.held_out:
+    def evaluate(
+        self, module: Learner, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
+    ) -> EvalResult | None:
+        """`settings.samples` episodes of every task in `settings.tasks` with the current policy, at the
+        evaluation's temperature, outside every training stream (`play`); `evaluation.py` scores them.
+        None: no such task (data.held_out=0). `on_episode_end` is called as each episode ends."""
+        task_ids = self.eval_tasks(settings.tasks)
+        if not task_ids:
             return None
-        leaves = [t.nodes[x] for t in self.play(module, self.held_out, samples, seed) for x in t.leaves()]
-        return HeldOutResult(
-            success=float(np.mean([float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves])),
-            reward=float(np.mean([float(leaf.reward or 0.0) for leaf in leaves])),
-            turns=float(np.mean([leaf.depth for leaf in leaves])),
-            episodes=len(leaves),
-        )
+        start, sampling = time.perf_counter(), settings.sampling(self.sampling)
+        trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, on_episode_end)
+        return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
+
+    def eval_tasks(self, tasks: str) -> list[int]:
+        """The task ids of an `eval.tasks` choice: held_out, train or all."""
+        return {
+            "held_out": self.held_out,
+            "train": self.train_ids,
+            "all": sorted(self.train_ids + self.held_out),
+        }[tasks]
 
     def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
         """Successes of `samples` episodes of each task [P] under the current policy: a Monte Carlo
@@ -274,16 +278,27 @@ class RolloutCollector:
         trees = self.play(module, task_ids, samples, seed)
         return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
 
-    def play(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> list[RolloutTree]:
+    def play(
+        self,
+        module: Learner,
+        task_ids: Sequence[int],
+        samples: int,
+        seed: int,
+        sampling: SamplingParams | None = None,
+        on_episode_end: Callable[[], None] | None = None,
+    ) -> list[RolloutTree]:
         """`samples` bare episodes of each task with the current policy, outside every training stream:
         a runner of its own (its counters are not the iteration's), the torch RNG saved and restored
         around a draw seeded with `seed`, and the engine's counters for these episodes taken and
-        dropped. So playing changes neither what the next iteration samples nor what it reports."""
+        dropped. So playing changes neither what the next iteration samples nor what it reports.
+        `sampling`: another temperature than the training one (an evaluation's); `on_episode_end`: a
+        progress display's hook."""
         self.start(module)
         assert self.runner is not None
         engine = self.runner.engine
         self._sync_engine(engine, module)
-        runner = ReActRunner(engine, module.tokenizer, self.env, self.sampling, self.limits)
+        runner = ReActRunner(engine, module.tokenizer, self.env, sampling or self.sampling, self.limits)
+        runner.on_episode_end = on_episode_end
         trees = [runner.new_tree(t) for t in task_ids]
         ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
         ledger.reserve_leaves(len(trees) * samples, "bare")

@@ -2,12 +2,16 @@
 
     python -m trace_lightning.compare                          # every run of experiment trace_lightning
     python -m trace_lightning.compare --runs 1a2b3c4d 5e6f7a8b # chosen runs (full or short ids)
+    python -m trace_lightning.compare --x tokens tool_calls seconds   # success against other units
     python -m trace_lightning.compare --tracking-uri sqlite:///outputs/mlflow.db --out outputs/compare
 
-Allocators are compared at an equal budget, so the plots put cumulative leaves (and generated tokens)
-spent on the x-axis rather than iterations: an allocator that gets more out of each leaf shows up as a
-curve that rises sooner. The metric keys are the ones `trace_lightning.callbacks` logs, one value per
-iteration; the functions here only read them, and printing stays in `main`.
+The table leads with each run's held-out pass@1 and its standard error (the last evaluation of
+`callbacks.HeldOutSuccess`), then names its base model and warm start. Training success per iteration
+follows which prompts were drawn, so it comes later. Allocators are compared at an equal budget, so the
+plots put a cumulative budget unit on the x-axis rather than iterations: leaves, generated tokens,
+prefill tokens, tool calls or seconds (`--x`; `callbacks.budget_spend`, `budget_seconds`). A run that
+gets more out of each unit shows up as a curve that rises sooner. The metric keys are the ones
+`trace_lightning.callbacks` logs; the functions here only read them, and printing stays in `main`.
 """
 
 from __future__ import annotations
@@ -29,9 +33,18 @@ from mlflow.tracking import MlflowClient
 
 from trace_lightning.tree import RolloutTree
 
+HELD_OUT = "eval/pass_at_1"  # the headline: held-out success (its SE is logged as <key>_se)
+TRAINED = "eval/iterations_trained"  # logged with every evaluation: where it sits on a budget axis
 SUCCESS, EFFECTIVE = "rollout/success_rate", "rollout/effective_ratio"
 LEAVES, TOKENS = "budget/leaves", "budget/tokens"
-TAGS = ("allocator", "env", "model")  # what the trainer tags every run with
+UNITS = {  # --x choices: the per-iteration key whose running sum is the x-axis
+    "leaves": LEAVES,
+    "tokens": TOKENS,
+    "prefill_tokens": "budget/prefill_tokens",
+    "tool_calls": "budget/tool_calls",
+    "seconds": "budget/seconds",
+}
+TAGS = ("base_model", "warm_start", "allocator", "env")  # what the trainer tags every run with
 LOWER_IS_BETTER = ("brier", "ece", "mse", "loss", "kl")  # for these metrics "best" means the lowest
 SHORT_ID = 8
 
@@ -119,34 +132,55 @@ def cumulative(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
 def curve(
     client: MlflowClient, run_id: str, y_key: str, x_key: str = LEAVES
 ) -> tuple[list[float], list[float]]:
-    """(cumulative `x_key`, `y_key`) at the steps where both were logged."""
+    """(cumulative `x_key` spent, `y_key`) at each point where `y_key` was logged.
+
+    A per-iteration metric is logged at the same step as the iteration's running sums. An evaluation
+    (`eval/*`) is placed by the iterations it followed (`eval/iterations_trained`): x = 0 before any
+    training, the running sum of iterations 0..k-1 after k. (Lightning logs an epoch's metrics at its
+    last batch's step and the evaluation after it one step later, and a first epoch of one batch logs
+    at step 0, where the evaluation before training also sits: steps alone cannot place it.)"""
     x, y = cumulative(client, run_id, x_key), history(client, run_id, y_key)
-    steps = [s for s in y if s in x]
-    return [x[s] for s in steps], [y[s] for s in steps]
+    if not x:  # this run never logged the unit: no curve (rather than a lone point at 0)
+        return [], []
+    trained = history(client, run_id, TRAINED) if y_key.startswith("eval/") else {}
+    if trained:
+        spent = [0.0, *(x[s] for s in sorted(x))]  # after 0, 1, 2, ... iterations
+        points = [
+            (spent[int(trained[s])], v) for s, v in y.items() if s in trained and trained[s] < len(spent)
+        ]
+    else:
+        points = [(x[s], v) for s, v in y.items() if s in x]
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 # --------------------------------------------------------------------------- the table
 
 
-def run_summary(client: MlflowClient, run: Run, metric: str = SUCCESS) -> dict[str, Any]:
-    """One table row. Missing metrics give NaN (the row still shows tags and wall time), so a run
-    trained before the rollout callbacks existed can sit next to a newer one."""
-    run_id, name = run.info.run_id, metric.rsplit("/", 1)[-1]
+def run_summary(client: MlflowClient, run: Run, metric: str = HELD_OUT) -> dict[str, Any]:
+    """One table row: the headline `metric` (the last value, its `_se` when logged, and for a metric
+    logged every iteration its best), the run's models, the budget spent in every unit and the wall
+    time. Missing metrics give NaN, so a run trained before a metric existed still sits in the table."""
+    run_id, tags = run.info.run_id, run.data.tags
+    name = ("held_out_" if metric.startswith("eval/") else "") + metric.rsplit("/", 1)[-1]
     values = list(history(client, run_id, metric).values())
     effective = list(history(client, run_id, EFFECTIVE).values())
-    leaves, tokens = cumulative(client, run_id, LEAVES), cumulative(client, run_id, TOKENS)
-    best = min if any(part in name for part in LOWER_IS_BETTER) else max
-    return {
+    row: dict[str, Any] = {
         "run": run.info.run_name or "",
         "id": run_id[:SHORT_ID],
-        **{tag: run.data.tags.get(tag, "") for tag in TAGS},
-        f"{name}_final": _last(values),
-        f"{name}_best": best(values) if values else math.nan,
-        "effective_ratio_final": _last(effective),
+        "base_model": tags.get("base_model", tags.get("model", "")),  # runs before issue 22: "model"
+        **{tag: tags.get(tag, "") for tag in TAGS[1:]},
+        name: _last(values),
+        f"{name}_se": _last(list(history(client, run_id, f"{metric}_se").values())),
+    }
+    if not metric.startswith("eval/"):  # an evaluation's best would be chosen on the test set itself
+        best = min if any(part in name for part in LOWER_IS_BETTER) else max
+        row[f"{name}_best"] = best(values) if values else math.nan
+    totals = {unit: _last(list(cumulative(client, run_id, key).values())) for unit, key in UNITS.items()}
+    return row | {
+        "train_success_last": _last(list(history(client, run_id, SUCCESS).values())),
         "effective_ratio_mean": float(np.mean(effective)) if effective else math.nan,
-        "leaves_total": _last(list(leaves.values())),
-        "tokens_total": _last(list(tokens.values())),
-        "iterations": max(len(values), len(effective), len(leaves)),
+        "iterations": max(len(effective), len(cumulative(client, run_id, LEAVES))),
+        **{f"{unit}_total": total for unit, total in totals.items()},
         "wall_s": _wall_seconds(run),
     }
 
@@ -184,9 +218,11 @@ def _cell(column: str, value: Any) -> str:
         return "-"
     if isinstance(value, str):
         return value
+    if column == "seconds_total" or column == "wall_s":
+        return f"{value:.1f}"
     if column.endswith("_total") or column == "iterations":
         return f"{value:.0f}"
-    return f"{value:.1f}" if column == "wall_s" else f"{value:.3f}"
+    return f"{value:.3f}"
 
 
 # --------------------------------------------------------------------------- plots
@@ -198,16 +234,21 @@ def label(run: Run) -> str:
     return f"{run.data.tags.get('allocator', '?')} {run.info.run_id[:SHORT_ID]}"
 
 
-def plot_curves(curves: list[Curve], x_key: str, y_key: str, path: Path) -> Path:
-    """One line per run. `Figure` renders through the Agg canvas by itself, so the process-wide pyplot
-    backend is left alone (this also runs inside notebooks and on headless machines)."""
+def plot_curves(
+    curves: list[Curve], x_key: str, y_key: str, path: Path, errors: list[list[float]] | None = None
+) -> Path:
+    """One line per run, with ±1 standard error bars where `errors` gives them. `Figure` renders through
+    the Agg canvas by itself, so the process-wide pyplot backend is left alone (this also runs inside
+    notebooks and on headless machines)."""
     fig = Figure(figsize=(6.4, 4.0), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    for name, x, y in curves:
-        ax.plot(x, y, marker="o", markersize=3, label=name)
-    ax.set_xlabel(f"cumulative {x_key.rsplit('/', 1)[-1]} spent")
-    ax.set_ylabel(y_key)
-    ax.set_title(f"{y_key} against {x_key.rsplit('/', 1)[-1]} spent")
+    for i, (name, x, y) in enumerate(curves):
+        err = errors[i] if errors is not None and len(errors[i]) == len(y) else None
+        ax.errorbar(x, y, yerr=err, marker="o", markersize=3, capsize=3 if err else 0, label=name)
+    unit = x_key.rsplit("/", 1)[-1]
+    ax.set_xlabel(f"cumulative {unit} spent")
+    ax.set_ylabel(y_key + (" (± SE)" if errors is not None else ""))
+    ax.set_title(f"{y_key} against {unit} spent")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path)
@@ -215,20 +256,34 @@ def plot_curves(curves: list[Curve], x_key: str, y_key: str, path: Path) -> Path
 
 
 def write_plots(
-    client: MlflowClient, runs: Sequence[Run], out_dir: Path, metric: str = SUCCESS
+    client: MlflowClient,
+    runs: Sequence[Run],
+    out_dir: Path,
+    metric: str = HELD_OUT,
+    units: Sequence[str] = ("leaves", "tokens"),
 ) -> list[Path]:
-    """`metric` and the effective ratio against cumulative leaves, and against tokens where logged.
-    A plot that no run has data for is skipped rather than drawn empty; returns the files written."""
+    """`metric` (with its SE bars where logged) and the effective ratio against each cumulative budget
+    unit in `units` (keys of `UNITS`). A plot that no run has data for is skipped rather than drawn
+    empty; returns the files written."""
     written = []
     for y_key in dict.fromkeys([metric, EFFECTIVE]):
-        for x_key in (LEAVES, TOKENS):
+        for unit in units:
+            x_key = UNITS[unit]
             curves = [(label(r), *curve(client, r.info.run_id, y_key, x_key)) for r in runs]
-            curves = [c for c in curves if c[1]]
-            if curves:
-                name = f"{y_key.replace('/', '_')}_vs_{x_key.rsplit('/', 1)[-1]}.png"
+            errors = [_se_values(client, r.info.run_id, y_key) for r in runs]
+            keep = [i for i, c in enumerate(curves) if c[1]]
+            if keep:
+                name = f"{y_key.replace('/', '_')}_vs_{unit}.png"
                 out_dir.mkdir(parents=True, exist_ok=True)
-                written.append(plot_curves(curves, x_key, y_key, out_dir / name))
+                bars = [errors[i] for i in keep] if any(errors[i] for i in keep) else None
+                written.append(plot_curves([curves[i] for i in keep], x_key, y_key, out_dir / name, bars))
     return written
+
+
+def _se_values(client: MlflowClient, run_id: str, key: str) -> list[float]:
+    """The standard errors logged beside `key` (`<key>_se`), one per logged value, or []."""
+    se, values = history(client, run_id, f"{key}_se"), history(client, run_id, key)
+    return [se[s] for s in values] if se and all(s in se for s in values) else []
 
 
 # --------------------------------------------------------------------------- tree artifacts
@@ -267,7 +322,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="compare these runs instead (full ids, or short ids as printed)",
     )
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"), help="folder for the PNG plots")
-    parser.add_argument("--metric", default=SUCCESS, help="headline metric: table final/best and first plot")
+    parser.add_argument(
+        "--metric", default=HELD_OUT, help="headline metric: the table's first figures and the first plot"
+    )
+    parser.add_argument(
+        "--x",
+        nargs="+",
+        choices=sorted(UNITS),
+        default=["leaves", "tokens"],
+        help="budget units for the x-axes (running sums of budget/<unit>)",
+    )
     return parser.parse_args(argv)
 
 
@@ -280,9 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_table([run_summary(client, run, args.metric) for run in runs]))
-    written = write_plots(client, runs, args.out, args.metric)
+    written = write_plots(client, runs, args.out, args.metric, args.x)
     if not written:
-        print(f"\nno plots: none of these runs logged {args.metric} or {EFFECTIVE} with {LEAVES}")
+        keys = ", ".join(UNITS[u] for u in args.x)
+        print(f"\nno plots: none of these runs logged {args.metric} or {EFFECTIVE} with {keys}")
     for path in written:
         print(f"wrote {path}")
     return 0

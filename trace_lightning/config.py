@@ -1,10 +1,11 @@
 """Typed schema for the top-level config keys, so Hydra rejects a wrong type or an unknown key at
 start-up with a message that names it (e.g. "budget.leaves=abc" or "data.pool_sise=8").
 
-Each settings group (budget, data, sampling, loss, cold_start, predictor, selection, module) is generated
-from the class it builds (`schema_of`): the class owns every default, `conf/*.yaml` only overrides, and
-`instantiate(cfg.<group>)` returns the checked object. Component groups (model, env, allocator, ...) stay
-untyped here: each constructor validates its own arguments and names its config key in the error.
+Each settings group (budget, data, sampling, loss, cold_start, predictor, selection, module, eval) is
+generated from the class it builds (`schema_of`): the class owns every default, `conf/*.yaml` only
+overrides, and `instantiate(cfg.<group>)` returns the checked object. Component groups (model, env,
+allocator, ...) stay untyped here: each constructor validates its own arguments and names its config key
+in the error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.data import DataSettings
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.sandbox import SandboxLimits
+from trace_lightning.evaluation import EvalSettings
 from trace_lightning.losses import LossSettings
 from trace_lightning.module import ModuleSettings
 from trace_lightning.predictor import PredictorSettings
@@ -59,6 +61,7 @@ ColdStartConfig = schema_of(BetaPrior)
 PredictorConfig = schema_of(PredictorSettings)
 SelectionConfig = schema_of(Selection)
 ModuleConfig = schema_of(ModuleSettings)
+EvalConfig = schema_of(EvalSettings)
 
 
 @dataclass
@@ -77,6 +80,7 @@ class TrainConfig:
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)  # type: ignore[valid-type]
     predictor: PredictorConfig = field(default_factory=PredictorConfig)  # type: ignore[valid-type]
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # type: ignore[valid-type]
+    eval: EvalConfig = field(default_factory=EvalConfig)  # type: ignore[valid-type]
     advantage: Any = MISSING  # an estimator of batching.py, by `_target_` (conf/advantage/*.yaml)
     aggregation: Any = MISSING  # a loss aggregation of losses.py, by `_target_` (conf/aggregation/*.yaml)
     model: Any = MISSING

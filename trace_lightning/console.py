@@ -9,6 +9,8 @@ iteration lines go to the log, and the vLLM engine routes vLLM's own logger ther
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,9 +20,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from trace_lightning.callbacks import HeldOutSuccess
 from trace_lightning.collector import IterationReport
+from trace_lightning.evaluation import EvalResult, paired_change
 from trace_lightning.tree import SUCCESS, tree_stats
 
 
@@ -46,6 +50,30 @@ def quiet_known_warnings(world_size: int) -> None:
     )
 
 
+def quiet_console() -> None:
+    """The console rules the trainer, the warm start and the evaluation share, under Hydra: INFO lines go
+    to the run's log file (`<run_dir>/<job>.log`), the console shows warnings and our own bars.
+
+    - Lightning's INFO lines (the seed, the accelerator, the "litlogger" tip, "fit stopped"): at import,
+      Lightning gives its loggers console handlers of their own (`lightning` always, its subpackages
+      when the root logger has none yet: Hydra configures it later), so they bypass Hydra's console
+      level. Dropping them lets the lines propagate to Hydra's handlers. Outside Hydra (tests,
+      notebooks: no root handler) nothing changes.
+    - transformers' "Loading weights" and "Writing model shards" bars, and its deprecation warning on
+      `is_gradient_checkpointing` (raised inside Lightning's model code): nothing a user can act on.
+    """
+    if logging.getLogger().handlers:
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            logger = logging.getLogger(name)
+            for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+                logger.removeHandler(handler)
+            logger.propagate = True
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings(
+        "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+    )
+
+
 # --------------------------------------------------------------------------- the run summary
 
 
@@ -60,6 +88,8 @@ class IterationSummary:
     mixed_prefixes: int  # mixed nodes at depth >= 1 (contrast only Stage 2 can create)
     leaves: int
     tokens: int  # generated tokens
+    prefill_tokens: int  # prompt tokens the engine ran (this process's engine)
+    tool_calls: int
     turns_mean: float  # turns per episode
     sample_seconds: float
     sync_seconds: float
@@ -70,7 +100,7 @@ class IterationSummary:
 class FitSummary:
     iterations: tuple[IterationSummary, ...]
     wall_seconds: float  # the whole fit, set-up included
-    held_out: tuple[tuple[int, float], ...] = ()  # (iterations trained, held-out success), the curve
+    held_out: tuple[tuple[int, EvalResult], ...] = ()  # (iterations trained, evaluation): the curve
 
 
 def iteration_summary(report: IterationReport, train_seconds: float) -> IterationSummary:
@@ -87,6 +117,8 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
         mixed_prefixes=sum(sum(s.mixed_by_depth[1:]) for s in stats),
         leaves=report.result.ledger.leaves_used,
         tokens=report.result.ledger.tokens_used,
+        prefill_tokens=report.engine_stats.prefill_tokens if report.engine_stats is not None else 0,
+        tool_calls=report.counters.tool_calls,
         turns_mean=sum(leaf.depth for leaf in leaves) / n,
         sample_seconds=report.sample_seconds,
         sync_seconds=report.sync_seconds,
@@ -117,21 +149,43 @@ def summary_text(summary: FitSummary) -> str:
             f"success {mean_success:.2f} over all leaves (first iteration {its[0].success_rate:.2f}, last "
             f"{its[-1].success_rate:.2f}); effective ratio {_mean(its, 'effective_ratio'):.2f}",
             f"mixed anchors: {sum(it.mixed_roots for it in its)} roots, "
-            f"{sum(it.mixed_prefixes for it in its)} turn prefixes; {leaves} leaves, "
-            f"{tokens:,} generated tokens",
+            f"{sum(it.mixed_prefixes for it in its)} turn prefixes",
+            f"spent: {leaves} leaves, {tokens:,} generated tokens, "
+            f"{sum(it.prefill_tokens for it in its):,} prefill tokens, {sum(it.tool_calls for it in its):,} "
+            f"tool calls",
             f"time: sampling {_duration(sample)}, weight sync {_duration(sync)}, training "
-            f"{_duration(train)}, other {_duration(other)}",
-            *_held_out_line(summary.held_out),
+            f"{_duration(train)}, other {_duration(other)}; {summary.wall_seconds / max(leaves, 1):.1f} s "
+            "per leaf",
+            *held_out_lines(summary.held_out),
         ]
     )
 
 
-def _held_out_line(curve: tuple[tuple[int, float], ...]) -> list[str]:
-    """The learning curve in one line: held-out success after 0, k, 2k, ... iterations."""
+def held_out_lines(curve: tuple[tuple[int, EvalResult], ...]) -> list[str]:
+    """The learning curve: pass@1 and pass@k ± their standard errors after 0, k, 2k, ... iterations,
+    and the change of pass@1 since the first point with its paired standard error."""
     if not curve:
         return []
-    points = ", ".join(f"{success:.2f} after {trained}" for trained, success in curve)
-    return [f"held-out success (eval/success): {points}"]
+    first = curve[0][1]
+    how = "greedy" if first.temperature == 0 else f"temperature {first.temperature:g}"
+    lines = [
+        f"held-out pass@1 ± SE ({len(first.task_ids)} tasks x {first.samples} episodes, {how}): "
+        + ", ".join(f"{_pm(r.pass_at_1, r.pass_at_1_se)} after {t}" for t, r in curve)
+    ]
+    if first.k > 1:
+        lines.append(
+            f"held-out pass@{first.k} ± SE: "
+            + ", ".join(f"{_pm(r.pass_at_k, r.pass_at_k_se)} after {t}" for t, r in curve)
+        )
+    if len(curve) > 1:
+        change, se = paired_change(first, curve[-1][1])
+        lines.append(f"pass@1 change since the start (paired by task): {_pm(change, se, sign=True)}")
+    return lines
+
+
+def _pm(value: float, se: float, sign: bool = False) -> str:
+    text = f"{value:+.2f}" if sign else f"{value:.2f}"
+    return text if not math.isfinite(se) else f"{text} ± {se:.2f}"
 
 
 _PHASES = ("sample_seconds", "sync_seconds", "train_seconds")
@@ -182,13 +236,13 @@ class RunSummary(Callback):
         if self._report is not None:
             self.rows.append(iteration_summary(self._report, time.perf_counter() - self._epoch_start))
 
-    def summary(self, held_out: tuple[tuple[int, float], ...] = ()) -> FitSummary:
+    def summary(self, held_out: tuple[tuple[int, EvalResult], ...] = ()) -> FitSummary:
         return FitSummary(tuple(self.rows), time.perf_counter() - self._fit_start, held_out)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
             curves = [c.history for c in trainer.callbacks if isinstance(c, HeldOutSuccess)]  # type: ignore[attr-defined]
-            held_out = tuple((trained, r.success) for trained, r in curves[0]) if curves else ()
+            held_out = tuple(curves[0]) if curves else ()
             print("\n" + summary_text(self.summary(held_out)))
 
 
@@ -235,6 +289,10 @@ class IterationProgress(ProgressBar):
         self._bar.update(1)
         self._sampled = self._bar.n
 
+    def episode_bar(self, description: str, total: int) -> Any:
+        """A bar for another loop of episodes (the held-out evaluation), or None while disabled."""
+        return self._open(description, total, "episode") if self._enabled else None
+
     def _open(self, description: str, total: int | float | None, unit: str) -> Any:
         return tqdm(total=total, desc=description, unit=unit, leave=True, dynamic_ncols=True)
 
@@ -273,6 +331,52 @@ class IterationProgress(ProgressBar):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._bar is not None:  # a fit stopped mid-iteration
+            self._bar.close()
+            self._bar = None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        tqdm.write(" ".join(str(a) for a in args))
+
+
+class FitProgress(ProgressBar):
+    """One bar for a whole supervised fit (the warm start): optimizer steps over all epochs, with the
+    latest `loss_key` value."""
+
+    def __init__(self, description: str = "fit", loss_key: str = "loss") -> None:
+        super().__init__()
+        self.description, self.loss_key = description, loss_key
+        self._enabled, self._bar = True, None
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        quiet_known_warnings(trainer.world_size)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._enabled:
+            total = trainer.num_training_batches * (trainer.max_epochs or 1)
+            self._bar = tqdm(total=total, desc=self.description, unit="step", dynamic_ncols=True)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            loss = trainer.callback_metrics.get(self.loss_key)
+            epoch = f"{trainer.current_epoch + 1}/{trainer.max_epochs}"
+            self._bar.set_postfix(epoch=epoch, **({} if loss is None else {"loss": f"{float(loss):.4f}"}))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._bar is not None:
             self._bar.close()
             self._bar = None
 

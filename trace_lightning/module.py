@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 from trace_lightning.batching import RolloutBatch
-from trace_lightning.engines.base import SamplingParams
+from trace_lightning.engines.base import SamplingParams, require_sampling
 from trace_lightning.losses import (
     Aggregation,
     LossSettings,
@@ -82,6 +82,7 @@ class TraceModule(L.LightningModule):
         companion: Policy | None = None,
     ) -> None:
         super().__init__()
+        require_sampling(sampling)  # log-probs at temperature 0 are undefined: greedy is for evaluation
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.sampling, self.loss_settings, self.predictor_settings = sampling, loss, predictor
         self.aggregation = aggregation

@@ -118,3 +118,18 @@ class ResumableMLFlowLogger(MLFlowLogger):
             keys = client.get_run(run_id).data.metrics
             self._logged_upto = {k: max(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
         return self._logged_upto
+
+
+# MLflow 3's UI has two views, GenAI (runs listed as "Evaluation runs", traces first) and Model
+# training. Its UIs before 3.17 chose by this experiment tag ("custom_model_development" is what their
+# "Model training" choice writes); 3.17.2's UI ignores the tag and follows its sidebar switch, which
+# a link sets with `?workflowType=machine_learning` (checked in headless Chromium, tests/test_mlflow_ui.py).
+# So we tag the experiment and print links that carry the parameter.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def mark_model_training(logger: Any) -> None:
+    """Tag the MLflow experiment as one for model training (the marker MLflow 3 UIs before 3.17 read)."""
+    if isinstance(logger, MLFlowLogger) and logger.experiment_id is not None:
+        logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)

@@ -12,6 +12,7 @@ import json
 import sys
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ import hydra
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
@@ -34,14 +34,40 @@ from trace_lightning.checkpoints import (
 from trace_lightning.checkpoints.files import Manifest
 from trace_lightning.checkpoints.frozen import FrozenWeights, check_base
 from trace_lightning.checkpoints.validate import check_strategy, newest_valid
+from trace_lightning.console import quiet_console
 from trace_lightning.data import RolloutDataModule
+from trace_lightning.engines.base import SamplingParams
+from trace_lightning.envs.base import Environment
+from trace_lightning.evaluation import EvalSettings
+from trace_lightning.losses import LossSettings
 from trace_lightning.models import build_policy
-from trace_lightning.module import TraceModule
-from trace_lightning.run_record import close_dead_run, run_in_store, write_record
+from trace_lightning.module import ModuleSettings, TraceModule
+from trace_lightning.predictor import PredictorSettings
+from trace_lightning.run_record import (
+    MODEL_TRAINING_VIEW,
+    close_dead_run,
+    mark_model_training,
+    run_in_store,
+    write_record,
+)
 from trace_lightning.sharding import FSDP2Strategy
-from trace_lightning.warmstart import policy_path
+from trace_lightning.warmstart import check_held_out, model_tags, policy_path
 
 config.register()
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What `build` makes before any model exists; each part checked its own settings."""
+
+    sampling: SamplingParams
+    predictor: PredictorSettings
+    loss: LossSettings
+    settings: ModuleSettings
+    evaluation: EvalSettings
+    allocator: TreeAllocator
+    env: Environment
+    data: RolloutDataModule
 
 
 def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
@@ -51,8 +77,28 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     side), so a bad value fails before any model, engine or MLflow run exists."""
     L.seed_everything(cfg.seed, workers=True)
     check_trainer(cfg.trainer)
+    parts = build_parts(cfg)
+    close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
+    ckpt_path, ckpt, fingerprint = _resume_point(cfg)
+    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
+    module, model_path = build_module(cfg, parts)
+    io.frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
+    if ckpt_path is not None and ckpt is not None:
+        _check_weights(ckpt_path, ckpt, module, io.frozen)
+    logger = _logger(cfg, parts.allocator, parts.env, model_path, ckpt)
+    write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
+    callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    trainer = instantiate(
+        cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
+    )
+    return module, parts.data, trainer
+
+
+def build_parts(cfg: DictConfig) -> Parts:
+    """The settings objects, the allocator, the environment and the DataModule (`trainer` and
+    `evaluate` share them). A held-out set that overlaps the warm start's training tasks is refused."""
     sampling, predictor = _make(cfg.sampling), _make(cfg.predictor)
-    loss, settings = _make(cfg.loss), _make(cfg.module)
+    loss, settings, evaluation = _make(cfg.loss), _make(cfg.module), _make(cfg.eval)
     allocator: TreeAllocator = _make(cfg.allocator)
     env = _make(cfg.env)
     data = RolloutDataModule(
@@ -68,35 +114,32 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
         predictor.refit(cfg.seed),
         cfg.seed,
     )
-    close_dead_run(Path(cfg.run_dir))  # a SIGKILLed earlier process of this run_dir left MLflow RUNNING
-    ckpt_path, ckpt, fingerprint = _resume_point(cfg)
-    io = _checkpoint_io(cfg, ckpt_path, ckpt, fingerprint)
+    if cfg.model.get("warm_start") is not None:
+        check_held_out(str(cfg.model.warm_start), data.collector.held_out)
+    return Parts(sampling, predictor, loss, settings, evaluation, allocator, env, data)
+
+
+def build_module(cfg: DictConfig, parts: Parts) -> tuple[TraceModule, str]:
+    """The policy (`models.build_policy`, from `model` or `model.warm_start`) with its adapter, the head
+    and the TraceModule; and the policy's model folder."""
     model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
     policy = build_policy(model_path, _make(cfg.adapter) if cfg.adapter is not None else None)
+    predictor = parts.predictor
     companion = build_policy(predictor.backbone) if predictor.backbone is not None else None
     backbone = (companion or policy).model
     module = TraceModule(
         policy,
         _make(cfg.optimizer),
         _make(cfg.scheduler) if cfg.scheduler is not None else None,
-        sampling=sampling,
-        loss=loss,
+        sampling=parts.sampling,
+        loss=parts.loss,
         aggregation=_make(cfg.aggregation),
         predictor=predictor,
-        settings=settings,
+        settings=parts.settings,
         head=predictor.build_head(backbone.config.hidden_size),
         companion=companion,
     )
-    io.frozen = FrozenWeights.of(module, model_path)  # LoRA's base: left out of checkpoints, named by digest
-    if ckpt_path is not None and ckpt is not None:
-        _check_weights(ckpt_path, ckpt, module, io.frozen)
-    logger = _logger(cfg, allocator, env, model_path, ckpt)
-    write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
-    callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
-    trainer = instantiate(
-        cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
-    )
-    return module, data, trainer
+    return module, model_path
 
 
 def _make(node: Any) -> Any:
@@ -183,7 +226,11 @@ def _logger(
         logger.experiment.update_run(run_id, status="RUNNING")  # it may have been marked KILLED
         _log_config(logger, cfg)  # a setting the resume changed is kept as a resumed/<key> tag
         return logger
-    tags = {"allocator": allocator.name, "env": env.name, "model": Path(model_path).name}
+    tags = {
+        "allocator": allocator.name,
+        "env": env.name,
+        **model_tags(cfg.model.get("warm_start"), model_path),
+    }
     if run_id is not None:
         tags["resumed_from_run"] = run_id
     logger = instantiate(cfg.logger, tags=tags, run_name=f"{allocator.name}-{env.name}-{cfg.task_name}")
@@ -196,21 +243,6 @@ def _log_config(logger: Any, cfg: DictConfig) -> None:
     """Every resolved setting as a flat MLflow param (the module logs none of its own)."""
     if hasattr(logger, "log_hyperparams"):
         logger.log_hyperparams(_flatten(OmegaConf.to_container(cfg, resolve=True)))  # type: ignore[arg-type]
-
-
-# MLflow 3's UI has two views, GenAI (runs listed as "Evaluation runs", traces first) and Model
-# training. Its UIs before 3.17 chose by this experiment tag ("custom_model_development" is what their
-# "Model training" choice writes); 3.17.2's UI ignores the tag and follows its sidebar switch, which
-# a link sets with `?workflowType=machine_learning` (checked in headless Chromium, tests/test_mlflow_ui.py).
-# So we tag the experiment and print links that carry the parameter.
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-MODEL_TRAINING_VIEW = "workflowType=machine_learning"
-
-
-def mark_model_training(logger: Any) -> None:
-    """Tag the MLflow experiment as one for model training (the marker MLflow 3 UIs before 3.17 read)."""
-    if isinstance(logger, MLFlowLogger) and logger.experiment_id is not None:
-        logger.experiment.set_experiment_tag(logger.experiment_id, *EXPERIMENT_KIND)
 
 
 def _checkpoint(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None]:
@@ -306,6 +338,7 @@ def _say_where(trainer: L.Trainer, cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(config.conf_dir()), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    quiet_console()  # INFO to <run_dir>/trainer.log; the console shows warnings, bars and the summary
     metrics = train(cfg)
     return metrics.get("rollout/success_rate")
 

@@ -30,10 +30,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from trace_lightning import config
+from trace_lightning.console import FitProgress, quiet_console
 from trace_lightning.demos import Demonstration, demonstrations
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
+from trace_lightning.run_record import mark_model_training
 from trace_lightning.runner import observation_ids, prompt_ids
+
+config.register()  # the ${abspath:...} resolver the logger group uses
 
 MARKER = "warm_start.json"  # written last into the folder: what was trained, on what
 IGNORE = -100  # label of a token the loss skips (prompt, observation, padding)
@@ -112,6 +116,36 @@ def check_warm_start(path: str) -> str:
     return str(path)
 
 
+def warm_start_record(path: str) -> dict[str, Any]:
+    """What the warm start at `path` wrote into its marker (env, held-out ids, base model, ...)."""
+    record: dict[str, Any] = json.loads((Path(check_warm_start(path)) / MARKER).read_text())
+    return record
+
+
+def check_held_out(path: str, held_out: Sequence[int]) -> None:
+    """Held-out tasks must not be tasks the warm start at `path` was fine-tuned on: refuse, naming the
+    keys that fix it, when `data.held_out` holds out more (or other) tasks than it did."""
+    kept = set(warm_start_record(path).get("held_out_task_ids", []))
+    trained_on = sorted(set(held_out) - kept)
+    if trained_on:
+        raise ValueError(
+            f"data.held_out={len(held_out)} would evaluate on tasks {trained_on[:8]}"
+            f"{' ...' if len(trained_on) > 8 else ''} that the warm start model.warm_start={path} was "
+            f"trained on (it held out {len(kept)}): pass data.held_out<={len(kept)} with the warm start's "
+            f"seed, or build the warm start with held_out={len(held_out)}"
+        )
+
+
+def model_tags(warm_start: str | None, model_path: str) -> dict[str, str]:
+    """How MLflow names a run's model: its base model and its warm start's run folder (or `none`), not
+    the warm start's model folder, which is always called `model`."""
+    if warm_start is None:
+        return {"base_model": Path(model_path).name, "warm_start": "none"}
+    folder = Path(warm_start).resolve()
+    name = folder.parent.name if folder.name == "model" else folder.name
+    return {"base_model": str(warm_start_record(warm_start).get("base_model", "unknown")), "warm_start": name}
+
+
 def policy_path(model_cfg: DictConfig) -> str:
     """The policy's model folder: `model.warm_start` when set, else what the model group builds."""
     warm = model_cfg.get("warm_start")
@@ -136,20 +170,21 @@ def run(cfg: DictConfig) -> Path:
         demos = demos[: cfg.max_demos]
     if not demos:
         raise ValueError(f"env={env.name}: no demonstration replays to reward 1 on the training tasks")
-    module = WarmStartModule(
-        policy_path(cfg.model), instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr
-    )
+    base = policy_path(cfg.model)
+    module = WarmStartModule(base, instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr)
     examples = [to_example(module.tokenizer, env.system_prompt, d) for d in demos]
     pad = module.tokenizer.pad_token_id
     loader = DataLoader(
         examples, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: collate(b, pad)
     )
     logger = _logger(cfg, env.name, len(demos), missing, sorted(held))
-    trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False)
+    progress = FitProgress(f"warm start: {len(demos)} demonstrations", "warmstart/loss")
+    trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=[progress])
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     record = {
         "env": env.name,
+        "base_model": model_tags(cfg.model.get("warm_start"), base)["base_model"],
         "demonstrations": len(demos),
         "tasks_without_demonstration": missing,
         "held_out_task_ids": sorted(held),
@@ -167,8 +202,6 @@ def run(cfg: DictConfig) -> Path:
 def _logger(cfg: DictConfig, env_name: str, n_demos: int, missing: int, held: list[int]) -> Any:
     if cfg.logger is None:
         return None
-    from trace_lightning.trainer import mark_model_training
-
     logger = instantiate(cfg.logger, run_name=f"warmstart-{env_name}", tags={"stage": "warm_start"})
     mark_model_training(logger)
     params = {"demonstrations": n_demos, "tasks_without_demonstration": missing, "held_out": str(held)}
@@ -179,6 +212,7 @@ def _logger(cfg: DictConfig, env_name: str, n_demos: int, missing: int, held: li
 
 @hydra.main(config_path=str(config.conf_dir()), config_name="warmstart", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    quiet_console()  # the trainer's console rules: INFO to <run_dir>/warmstart.log, one bar for the fit
     run(cfg)
 
 

@@ -38,7 +38,7 @@ class ModelArtifact(L.Callback):
 
     Args:
         output_dir: where the folders `final/` and `best/` are written (`${run_dir}/model`).
-        best: a metric in `trainer.callback_metrics` (e.g. `eval/success`, which
+        best: a metric in `trainer.callback_metrics` (e.g. `eval/pass_at_1`, which
             `callbacks.HeldOutSuccess` publishes there) whose best value's weights to keep too; None: off.
         mode: "max" or "min": which values of `best` are better.
     """

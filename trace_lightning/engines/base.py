@@ -18,7 +18,9 @@ FinishReason = Literal["stop", "eos", "length"]
 class SamplingParams:
     """How one turn is sampled: the `sampling` config group, one object shared by the engine and the
     trainer (which scores tokens at the same temperature). `stop` strings end the turn and are kept in
-    the output; the runner adds the environment's own."""
+    the output; the runner adds the environment's own. Temperature 0 decodes greedily (the vLLM and
+    OpenAI convention): evaluation only (`eval.temperature=0`); training refuses it, since RL needs
+    sampled rollouts and log-probs at a temperature (`require_sampling`)."""
 
     max_new_tokens: int = 48
     temperature: float = 0.8
@@ -29,12 +31,21 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))  # a config list becomes a (hashable) tuple
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature <= 0:
+        if self.temperature < 0:
             raise ValueError(
-                f"sampling.temperature={self.temperature} must be > 0 (sampling is required for RL)"
+                f"sampling.temperature={self.temperature} must be >= 0 (0: greedy, for evaluation only)"
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
+
+
+def require_sampling(params: SamplingParams) -> None:
+    """Training samples and scores at a temperature > 0; greedy decoding is for evaluation only."""
+    if params.temperature <= 0:
+        raise ValueError(
+            f"sampling.temperature={params.temperature} must be > 0: RL needs sampled rollouts (a greedy "
+            "evaluation is eval.temperature=0)"
+        )
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class HFEngine:
         self.stats.reused_prefill_tokens += sum((len(g.rows) - 1) * (len(g.prompt) - 1) for g in groups)
 
         stops = _StopStrings(self.tokenizer, params.stop, prompt_len=ids.shape[1], batch_size=len(src))
-        logprobs = _SampledLogProbs(params.temperature)
+        logprobs = _SampledLogProbs(params.temperature or 1.0)  # greedy (0): the model's own log-probs
         sequences = self.model.generate(
             input_ids=ids[src],
             attention_mask=mask[src],
@@ -136,11 +136,13 @@ class HFEngine:
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         # Every sampling field set explicitly: `generate` fills unset ones from the model's own defaults
-        # (e.g. top_k=50), which would silently change the distribution we sample from.
+        # (e.g. top_k=50), which would silently change the distribution we sample from. Temperature 0 is
+        # greedy decoding (evaluation only); the neutral 1.0s keep `generate` from warning about them.
+        greedy = params.temperature == 0
         return GenerationConfig(
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
+            do_sample=not greedy,
+            temperature=1.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
             top_k=0,
             typical_p=1.0,
             epsilon_cutoff=0.0,

