@@ -112,7 +112,7 @@ def test_a_changed_base_model_is_refused(tmp_path: Path) -> None:
     """The same model.warm_start folder (so the same config fingerprint), trained again in place."""
     base = _warm_start(tmp_path / "warm", seed=0)
     run_dir = tmp_path / "run"
-    common = [f"model.warm_start={base}", "logger=none", *LORA]
+    common = [f"model.warm_start={base}", "data.held_out=0", "logger=none", *LORA]  # it held none out
     trainer.train(make_cfg(tmp_path, run_dir, "trainer.max_epochs=1", *common))
     _warm_start(base, seed=1)
     with pytest.raises(CheckpointError, match="the base model changed since") as err:
