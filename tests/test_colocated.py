@@ -6,7 +6,8 @@ CLI's own build (tests/colocated_worker.py), each run under a 120 s torch.distri
   rank 0 plays 3-turn episodes and their continuations. With vLLM's data-parallel mode
   (`data_parallel_size=2`, the setting before issue 21) this run never finished: rank 0 waited in vLLM's
   step all-reduce for rank 1, which waited in the tree gather.
-- `uneven`: both ranks have prompts, but rank 0's episodes last 3 turns and rank 1's one.
+- `uneven`: both ranks have prompts (in the first iteration, where the cold-start prior spreads the
+  rollouts over two prompts), but rank 0's episodes last 3 turns and rank 1's one.
 
 In both, what each process rolled out in the first iteration equals what one process alone draws from
 the same seeds for the same prompts (`replay`): each engine generated independently of the other.
@@ -100,8 +101,8 @@ def test_unequal_work_never_hangs_and_each_engine_samples_alone(case, strategy, 
         if case == "idle":
             assert rows[1]["local_trees"] == [] and rows[1]["engine_calls"] == 0
             assert rows[0]["engine_calls"] >= 4  # 3 turns of bare rollouts, 1-2 of continuations
-        else:
-            assert rows[0]["local_trees"] and rows[1]["local_trees"]
+        elif it == 0:  # the cold start's prior spreads 4 rollouts over 2 prompts, one per process; later
+            assert rows[0]["local_trees"] and rows[1]["local_trees"]  # the head may pick one prompt
     for r in range(2):
         assert ranks[r][0]["local_trees"] == replay[case, r]
     assert ranks[0][1]["logprob_mismatch"] < 1e-4  # iteration 1 sampled after a weight sync
