@@ -113,6 +113,13 @@ def test_lora_sync(model_dir, lora_sync):
     assert max_gap(engine, policy, tokenizer) > 1e-2
     engine.sync_weights()
     assert max_gap(engine, policy, tokenizer) < TIGHT
+    if engine.lora_sync == "merged":  # later syncs push only the attention modules that hold LoRA layers
+        pushed = engine.last_sync_tensors
+        perturb([p for n, p in policy.named_parameters() if "lora_" in n])
+        assert max_gap(engine, policy, tokenizer) > 1e-2
+        engine.sync_weights()
+        assert max_gap(engine, policy, tokenizer) < TIGHT
+        assert 0 < engine.last_sync_tensors < pushed
     if lora_sync == "adapter":  # a new adapter id per version, and only the newest one stays loaded
         engine.sync_weights()
         engine.generate([prompt(tokenizer)], SAMPLING)  # vLLM loads an adapter on its first request

@@ -1,9 +1,12 @@
-"""A run that can be stopped (issue 21): SIGTERM to one process of a 2-process DDP run on CPU (gloo, the
-CLI's own build through tests/ddp_worker.py) stops both, with a checkpoint when they can reach a batch
-boundary, and within the deadline without one when a collective is stuck."""
+"""A run that can be stopped (issue 21): SIGTERM to one of two processes stops both, with a checkpoint
+when they can reach a batch boundary, and within the deadline without one when a collective is stuck.
+
+The first test is the mechanism alone on a bare gloo process group (seconds, default suite); the others
+run the CLI's own build under 2-process DDP on CPU (tests/ddp_worker.py) and are marked slow."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +17,8 @@ from helpers import DDP_WORKER
 
 from trace_lightning.checkpoint_files import Manifest
 from trace_lightning.checkpoints import newest_valid_checkpoint, validate_checkpoint
+
+STUCK_WORKER = Path(__file__).with_name("stuck_worker.py")
 
 # 2 DDP processes on the tiny model; many iterations, so the run is still going when it is signalled
 RUN = ["trainer.max_epochs=50", "budget.leaves=12", "data.pool_size=8", "~callbacks.progress"]
@@ -61,6 +66,45 @@ def pids(out: Path) -> list[int]:
     return [int((out / f"rank{r}.pid").read_text()) for r in range(2)]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_both_processes_of_a_stuck_group_within_the_deadline(tmp_path):
+    """Rank 1 hangs outside any collective and rank 0 waits in an all-reduce for it, its main thread inside
+    gloo where no Python signal handler can run. SIGTERM to rank 0 alone: rank 0's watchdog forwards it to
+    rank 1, and both exit with 143 once the 2 s deadline has passed."""
+    port, deadline = str(free_port()), 2.0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(STUCK_WORKER), str(tmp_path), str(r), port, str(deadline)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        for r in range(2):
+            wait_for(tmp_path / f"rank{r}.ready", procs[r], timeout=120)
+        time.sleep(0.5)  # rank 0 is inside the all-reduce
+        sent = time.time()
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=deadline + 30) for p in procs]
+        took = time.time() - sent
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [128 + signal.SIGTERM] * 2
+    assert deadline <= took < deadline + 10
+    assert "did not reach a batch boundary" in procs[1].stderr.read()  # rank 1 got it from rank 0
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_saving_a_checkpoint(tmp_path):
     proc = start(tmp_path, "callbacks.stop.deadline_seconds=120")
     folder = tmp_path / "run" / "checkpoints"
@@ -76,6 +120,7 @@ def test_sigterm_to_one_process_stops_both_after_saving_a_checkpoint(tmp_path):
     assert newest_valid_checkpoint(folder) == saved
 
 
+@pytest.mark.slow
 def test_a_stuck_process_cannot_keep_the_run_alive_past_the_deadline(tmp_path):
     """Rank 1 hangs in iteration 1 (outside any collective), so rank 0 waits in DDP's gradient all-reduce:
     neither can reach a batch boundary. SIGTERM to rank 0 only ends both within the deadline, through

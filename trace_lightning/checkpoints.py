@@ -19,9 +19,9 @@ folder's manifest (`checkpoint_files.Manifest`) and prunes old ones. `newest_val
 Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
 weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
 engine samples with, iteration counter, cold-start prior), so the next iteration is the one an
-uninterrupted run would have sampled. A SIGTERM checkpoint is taken at a batch boundary inside an
-iteration; resuming from it drops the rest of that iteration's batches (see
-`RolloutDataModule.train_dataloader`) and continues with the next iteration.
+uninterrupted run would have sampled. A checkpoint taken on SIGTERM or SIGINT (`stopping.StopOnSignal`)
+is written at a batch boundary inside an iteration; resuming from it drops the rest of that iteration's
+batches (see `RolloutDataModule.train_dataloader`) and continues with the next iteration.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from trace_lightning.checkpoint_files import Manifest, digest_path, sha256_file
 
@@ -213,17 +211,3 @@ def newest_valid_checkpoint(directory: str | Path) -> Path | None:
             continue
         return Path(directory) / name
     return None
-
-
-class SaveOnSigterm(L.Callback):
-    """On SIGTERM Lightning stops at the next batch boundary with a SIGTERMException; save first."""
-
-    def __init__(self, dirpath: str) -> None:
-        self.dirpath = Path(dirpath)
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        if isinstance(exception, SIGTERMException):
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(self.dirpath / "sigterm.ckpt")

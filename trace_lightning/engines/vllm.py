@@ -29,6 +29,7 @@ without it. What it adds to plain `LLM.generate`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -146,6 +147,7 @@ class VLLMEngine:
         self._vllm = vllm
         self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
         self._version = 0  # weight versions pushed so far; a LoRA adapter's id is its version (from 1)
+        self.last_sync_tensors = 0  # tensors the last full-weight sync pushed
         self._lora: Any | None = None
         self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="trace_lightning_lora_"))
         if adapter_served:
@@ -216,14 +218,27 @@ class VLLMEngine:
         if self.is_lora and self.lora_sync == "adapter":
             self._push_adapter()
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._full_weights()})
+            self.last_sync_tensors = 0
+            weights = self._full_weights(adapted_only=self._version > 0)
+            with _quiet_partial_reload():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self._version += 1
         self.llm.reset_prefix_cache()
         self._wake()
 
-    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them."""
-        weights = self.policy.state_dict().items() if not self.is_lora else _merged_lora_weights(self.policy)
+    def _full_weights(self, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them.
+
+        `adapted_only` (LoRA, every sync after the first): only the modules that hold a LoRA layer, whole
+        (issue 21: the frozen rest, three quarters of SmolLM2's weights with attention-only LoRA, never
+        changes, and pushing it again cost most of a sync). Whole, because vLLM fuses sibling projections
+        (q/k/v into one qkv_proj) and rebuilds a fused layer only from all of its parts."""
+        if self.is_lora:
+            weights = _merged_lora_weights(self.policy, adapted_only)
+        else:
+            weights = iter(self.policy.state_dict().items())
         for name, tensor in weights:
+            self.last_sync_tensors += 1
             yield _checkpoint_name(name), tensor.detach()
 
     def _push_adapter(self) -> None:
@@ -283,8 +298,9 @@ def _completion(sample: Any) -> Completion:
     return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason)
 
 
-def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Base weights with every LoRA layer's delta added, under the base model's checkpoint names."""
+def _merged_lora_weights(policy: Any, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Base weights with every LoRA layer's delta added, under the base model's checkpoint names; with
+    `adapted_only`, only the weights of modules that hold a LoRA layer (e.g. every `self_attn`)."""
     base = policy.get_base_model()
     adapter = policy.active_adapter
     deltas = {
@@ -292,12 +308,25 @@ def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, module in base.named_modules()
         if hasattr(module, "get_delta_weight") and adapter in getattr(module, "lora_A", {})
     }
+    parents = {key.rsplit(".", 2)[0] for key in deltas}  # "...self_attn.q_proj.weight" -> "...self_attn"
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
         plain = name.replace(".base_layer.", ".")
-        merged = tensor + deltas[plain] if plain in deltas else tensor
-        yield plain, merged
+        if ".lora_" in name or (adapted_only and plain.rsplit(".", 2)[0] not in parents):
+            continue
+        yield plain, tensor + deltas[plain] if plain in deltas else tensor
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    """vLLM warns "Failed to load weights" for every layer a reload does not send, and keeps its current
+    weights; after a partial push (`adapted_only`) that is expected, so those warnings are dropped."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _checkpoint_name(name: str) -> str:
