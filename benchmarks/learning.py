@@ -58,6 +58,7 @@ from trace_lightning import allocation as alloc
 from trace_lightning import config
 from trace_lightning.allocation import BetaPrior, Budget
 from trace_lightning.batching import ESTIMATORS, GRPO, collate, leaf_sequences, node_advantages
+from trace_lightning.callbacks import SuccessProbe
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.engines.hf import HFEngine
@@ -82,12 +83,20 @@ class Method:
     allocator: alloc.TreeAllocator
     leaves: int
     selection: dict[str, Any] = field(default_factory=dict)
+    predictor: dict[str, Any] = field(default_factory=dict)  # PredictorSettings overrides
+    true_v: bool = False  # Stage 1 on Monte Carlo success rates (an upper bound, not a method)
 
 
 def methods(args: argparse.Namespace) -> dict[str, Method]:
     n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
     m = leaves // (1 + n)
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
+    trace = alloc.trace(n, max_per_prompt=cap)
+    broad = alloc.trace(n, max_per_prompt=cap, breadth=args.breadth)
+    text = {"text_buckets": 1024, "policy_features": False, "label_decay": 0.8}
+    both = {"text_buckets": 1024, "label_decay": 0.8}
+    calibrated = {"calibrate": True}
+    sliced = {"explore_groups": 2, "gate_skill": 0.0}
     return {
         "uniform": Method(alloc.uniform(4), leaves),
         "grpo_trace_prompts": Method(alloc.uniform(args.control_group), leaves),
@@ -99,12 +108,30 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         f"trace_m{m}_n{3 * n}": Method(alloc.trace(3 * n, max_per_prompt=cap), m * (1 + 3 * n)),
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
         "trace_explore": Method(alloc.trace(n, max_per_prompt=cap), leaves, explore),
-        "trace_gate": Method(alloc.trace(n, max_per_prompt=cap), leaves, {"gate_auroc": 0.6}),
+        "trace_gate": Method(
+            alloc.trace(n, max_per_prompt=cap), leaves, {"explore_groups": 2, "gate_skill": 0.05}
+        ),
         # a bonus per trained prompt in Stage 1's objective (our hedge against concentration)
         "trace_breadth": Method(alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves),
         "trace_breadth_explore": Method(
             alloc.trace(n, max_per_prompt=cap, breadth=args.breadth), leaves, explore
         ),
+        # NOT a method: Stage 1 steered by `--true-v-samples` fresh episodes of every candidate, outside
+        # the budget and training nothing (collector.root_oracle). The ceiling every predictor is read
+        # against (issue 20).
+        "true_v": Method(alloc.trace(n, max_per_prompt=cap), leaves, true_v=True),
+        # issue 20's predictor options (docs/algorithm.md#the-success-predictor)
+        "trace_text": Method(trace, leaves, predictor=text),
+        "trace_text_d9": Method(trace, leaves, predictor=text | {"label_decay": 0.9}),
+        "trace_text_slice": Method(trace, leaves, {"explore_groups": 2}, text),
+        "trace_text_breadth": Method(broad, leaves, predictor=text),
+        "trace_text_cal": Method(trace, leaves, sliced, text | calibrated),
+        "trace_text_linear": Method(trace, leaves, predictor=text | {"width": 0}),
+        "trace_text_linear_cal": Method(trace, leaves, predictor=text | {"width": 0} | calibrated),
+        "trace_text_post": Method(trace, leaves, predictor=text | {"posterior_features": True}),
+        "trace_text_r150": Method(trace, leaves, predictor=text | {"refit_steps": 150}),
+        "trace_both_cal": Method(trace, leaves, sliced, both | calibrated),
+        "trace_head_cal": Method(trace, leaves, sliced, {"label_decay": 0.8} | calibrated),
     }
 
 
@@ -223,7 +250,7 @@ def iteration_row(data: RolloutDataModule) -> dict[str, float]:
             np.mean([t.nodes[x].reward >= SUCCESS for t in res.trees for x in t.leaves()])
         ),
         "pool_pred_sd": float(np.std(res.pool_predicted)),
-        "root_auroc_mixed": quality.auroc_mixed if quality is not None else float("nan"),
+        "slice_skill": quality.slice_skill if quality is not None else float("nan"),
         "gate": float(quality.gate_open) if quality is not None else float("nan"),
         "distinct_tasks": len({t.task_id for t in res.trees}),
     }
@@ -288,14 +315,17 @@ def train_run(
     torch.manual_seed(seed)
     sampling = SamplingParams(MAX_NEW_TOKENS, temperature=args.temperature)
     head = PredictorSettings(
-        width=64,
-        lr=args.predictor_lr,
-        coef=0.0,
-        standardize=True,
-        pooling=args.pooling,
-        refit_steps=args.refit_steps,
-        replay_window=args.replay_window,
-        refit_batch=256,
+        **{
+            "width": 64,
+            "lr": args.predictor_lr,
+            "coef": 0.0,
+            "standardize": True,
+            "pooling": args.pooling,
+            "refit_steps": args.refit_steps,
+            "replay_window": args.replay_window,
+            "refit_batch": 256,
+        }
+        | method.predictor
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr)
     module = TraceModule(build_policy(model_dir), optimizer, sampling=sampling, predictor=head)
@@ -319,11 +349,16 @@ def train_run(
         predictor_fit=head.refit(seed),
         seed=seed,
     )
+    if method.true_v:  # probe seeds of their own, so the probe rows below never see the same episodes
+        data.collector.root_oracle = functools.partial(
+            true_v_oracle, data.collector, args.true_v_samples, seed
+        )
     recorder = Recorder(name, heldout_env, args, seed, method.leaves)
     recorder.evals.append({"iteration": 0, "leaves": 0, "tokens": 0, "success": start["success"]})
+    probe = SuccessProbe(args.probe_every, args.probe_half, args.max_per_prompt, seed=3_000_017 + 97 * seed)
     clock = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
-        product_trainer(args, [recorder], root).fit(module, datamodule=data)
+        product_trainer(args, [probe, recorder], root).fit(module, datamodule=data)
     seconds = time.perf_counter() - clock
     rows, evals = recorder.rows, recorder.evals
     print(
@@ -338,8 +373,17 @@ def train_run(
         "leaves_per_iteration": method.leaves,
         "iterations": rows,
         "evals": evals,
+        "probes": [{"iteration": it, **m} for it, m in probe.history],
         "seconds": seconds,
     }
+
+
+def true_v_oracle(collector: Any, samples: int, seed: int, module: Any, pool_ids: list[int]) -> np.ndarray:
+    """Monte Carlo success rates of the pool under the current policy (`samples` episodes each, outside
+    the budget): what Stage 1 would see with a perfect predictor, up to the probe's noise."""
+    return (
+        collector.probe(module, pool_ids, samples, 5_000_011 + 1_009 * seed + collector.iteration) / samples
+    )
 
 
 def testbed(args: argparse.Namespace) -> tuple[DecisiveEnv, DecisiveEnv]:
@@ -458,8 +502,32 @@ def per_seed_metrics(seed_result: dict[str, Any]) -> dict[str, dict[str, float]]
             "tokens_per_iteration": mean["tokens"],
             "mixed_prefix_per_100": mean["mixed_prefix_per_100"],
             "pool_pred_sd": mean["pool_pred_sd"],
-        }
+        } | probe_summary(r["probes"])
     return out
+
+
+def probe_summary(probes: list[dict[str, float]]) -> dict[str, float]:
+    """The probe's gauges averaged over the run's probes (issue 20): the head's Spearman with the probed
+    success rates (and on v(1 - v)), its Brier score next to the base rate's, and the expected mixed
+    groups of the run's allocations relative to the probe's own (true v) and to random pairs."""
+    if not probes:
+        return {}
+
+    def mean(key: str) -> float:
+        values = np.array([p[key] for p in probes])
+        return float(values[np.isfinite(values)].mean()) if np.isfinite(values).any() else float("nan")
+
+    return {
+        "probe_spearman": mean("probe/spearman"),
+        "probe_spearman_contrast": mean("probe/spearman_contrast"),
+        "probe_brier": mean("probe/brier"),
+        "base_rate_brier": mean("probe/base_rate_brier"),
+        "expected_mixed": mean("probe/expected_mixed"),
+        "expected_mixed_true_v": mean("probe/expected_mixed_true_v"),
+        "expected_mixed_random": mean("probe/expected_mixed_random"),
+        "expected_mixed_x_true_v": _ratio(mean("probe/expected_mixed"), mean("probe/expected_mixed_true_v")),
+        "expected_mixed_x_random": _ratio(mean("probe/expected_mixed"), mean("probe/expected_mixed_random")),
+    }
 
 
 def _ratio(a: float, b: float) -> float:
@@ -661,6 +729,9 @@ QUICK = {
     "workers": 1,
     "refit_steps": 5,
     "control_group": 6,
+    "probe_every": 1,
+    "probe_half": 2,
+    "true_v_samples": 2,
 }
 
 
@@ -696,6 +767,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--estimator", default="tree_grpo")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument(
+        "--probe-every", type=int, default=4, help="Monte Carlo probe of the pool every k iterations"
+    )
+    p.add_argument("--probe-half", type=int, default=8, help="probe: 2 x this many episodes per candidate")
+    p.add_argument(
+        "--true-v-samples", type=int, default=8, help="true_v: episodes per candidate per iteration"
+    )
     p.add_argument("--eval-samples", type=int, default=2, help="episodes per held-out task per evaluation")
     p.add_argument("--demos", type=int, default=2, help="warm start: teacher episodes per training task")
     p.add_argument("--sft-steps", type=int, default=1000, help="warm start: exactly this many steps")

@@ -234,3 +234,18 @@ def test_beta_prior_cold_start():
     assert restored.counts == prior.counts
     with pytest.raises(ValueError, match="cold_start.alpha"):
         alloc.BetaPrior(alpha=0)
+
+
+def test_reserved_rollouts_are_kept_and_the_rule_splits_the_rest():
+    """The unbiased slice (selection.explore_groups): reserved counts stay, Stage 1 fills the others."""
+    v = np.array([0.5, 0.5, 0.02, 0.5, 0.5])
+    reserved = np.array([2, 0, 0, 0, 0])
+    counts = alloc.trace(expansion=1, max_per_prompt=4).allocate_roots(
+        v, Budget(12), np.random.default_rng(0), reserved
+    )
+    assert counts[0] == 2 and counts.sum() == 6 and counts[2] == 0  # 4 more on the uncertain others
+    assert counts[1:].tolist().count(2) == 2
+    whole = alloc.uniform(2).allocate_roots(v, Budget(4), np.random.default_rng(0), np.array([2, 2, 0, 0, 0]))
+    assert whole.tolist() == [2, 2, 0, 0, 0]  # the slice took the whole budget
+    with pytest.raises(BudgetError, match="selection.explore_groups"):
+        alloc.uniform(2).allocate_roots(v, Budget(4), np.random.default_rng(0), np.array([2, 2, 2, 0, 0]))

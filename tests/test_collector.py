@@ -4,10 +4,13 @@ that the DataModule syncs the engine exactly when the policy changed since the e
 import functools
 import importlib.util
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
 from chain_fixtures import make_data, make_module
 
+from trace_lightning import allocation as alloc
 from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
@@ -149,3 +152,88 @@ def test_held_out_count_is_checked_against_the_tasks():
         make_data(held_out=24)
     with pytest.raises(ValueError, match="data.pool_size=8 must be in"):
         make_data(held_out=20)  # 4 tasks left for a pool of 8
+
+
+# --------------------------------------------------------------------------- the predictor's probe (issue 20)
+
+
+class Trees(L.Callback):
+    """Every iteration's leaf token ids and counters, as the epoch starts."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        report = trainer.datamodule.report
+        self.seen.append(([t.token_ids(x) for t in report.result.trees for x in t.leaves()], report.counters))
+
+
+def test_a_probed_run_trains_exactly_like_an_unprobed_one(tiny_model_dir):
+    """SuccessProbe plays 2 x half episodes of every candidate between sampling and training; the
+    probed and the plain run must sample the same trees, report the same counters and end with the
+    same weights."""
+    from chain_fixtures import fit
+
+    from trace_lightning.callbacks import SuccessProbe
+
+    runs = []
+    for probed in (True, False):
+        torch.manual_seed(0)
+        module = make_module(tiny_model_dir)
+        data = make_data(cold_start=alloc.BetaPrior(warmup=0))
+        probe = SuccessProbe(every_n_epochs=1, half=2, max_per_prompt=4)
+        trees = Trees()
+        fit(module, data, epochs=2, callbacks=[probe, trees] if probed else [trees])
+        runs.append((trees.seen, module.weights_fingerprint(), probe.history))
+    (probed_leaves, probed_weights, history), (plain_leaves, plain_weights, _) = runs
+    assert probed_leaves == plain_leaves and probed_weights == plain_weights
+    assert [it for it, _ in history] == [0, 1]
+    for _, m in history:
+        assert -1 <= m["probe/spearman"] <= 1 or np.isnan(m["probe/spearman"])
+        assert 0 <= m["probe/expected_mixed"] <= m["probe/expected_mixed_random"] * 10
+        assert m["probe/base_rate_brier"] <= 0.25
+
+
+def test_probe_counts_successes_of_fresh_episodes_of_each_task(tiny_model_dir):
+    torch.manual_seed(0)
+    module, data = make_module(tiny_model_dir), make_data()
+    ids = data.collector.train_ids[:5]
+    wins = data.collector.probe(module, ids, samples=3, seed=9)
+    trees = data.collector.play(module, ids, samples=3, seed=9)  # the same seed plays the same episodes
+    assert wins.tolist() == [sum(t.nodes[x].reward >= 0.5 for x in t.leaves()) for t in trees]
+    assert all(len(t.leaves()) == 3 for t in trees)
+
+
+def test_a_root_oracle_replaces_the_estimates_stage_1_runs_on(tiny_model_dir):
+    """The true_v instrument of benchmarks/learning.py: Stage 1 on what the oracle says."""
+    torch.manual_seed(0)
+    module, data = (
+        make_module(tiny_model_dir),
+        make_data(allocator=alloc.trace(expansion=2, max_per_prompt=4)),
+    )
+    asked = []
+
+    def oracle(learner, pool_ids):
+        asked.append(list(pool_ids))
+        return np.array([0.5 if t == pool_ids[1] else 0.0 for t in pool_ids])  # one uncertain candidate
+
+    data.collector.root_oracle = oracle
+    data.build_iteration(module)
+    report = data.report
+    assert asked == [report.pool_ids]
+    assert report.root_estimates.tolist() == oracle(module, report.pool_ids).tolist()
+    assert report.result.root_counts[1] == 4  # the cap on the only uncertain one, the rest by tie-break
+
+
+def test_the_unbiased_slice_is_rolled_out_on_top_of_stage_1(tiny_model_dir):
+    from trace_lightning.selection import Selection
+
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    data = make_data(selection=Selection(explore_groups=1), cold_start=alloc.BetaPrior(warmup=1))
+    data.build_iteration(module)
+    report = data.report
+    assert report.result.root_counts.sum() == 4  # 12 leaves at expansion 2: 4 bare rollouts
+    (entry,) = data.collector.selection.history  # one slice group, recorded for the gate
+    assert entry[0] == 0 and entry[3] == 2.0
+    assert entry[1] == pytest.approx(0.5)  # its raw prediction: the cold-start prior's mean

@@ -9,7 +9,6 @@ import torch
 from chain_fixtures import fit, make_data, make_module
 
 from trace_lightning import allocation as alloc
-from trace_lightning.collector import fingerprint
 from trace_lightning.engines.base import Completion, EngineStats
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
@@ -32,7 +31,7 @@ class Recorder(L.Callback):
             self.first_ratio_exact.append(bool(torch.equal(logp[keep], batch.old_logprobs[keep])))
 
     def on_train_epoch_end(self, trainer, module):
-        self.end_fingerprints.append(fingerprint(module))
+        self.end_fingerprints.append(module.weights_fingerprint())
 
 
 def test_full_iterations_through_lightning_are_on_policy(tiny_model_dir):
@@ -124,6 +123,16 @@ class ScriptedEngine:
 
     def sync_weights(self):
         pass
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+    def take_stats(self):
+        stats, self.stats = self.stats, EngineStats()
+        return stats
 
 
 def test_malformed_and_adversarial_actions_never_crash_a_rollout(tiny_model_dir):

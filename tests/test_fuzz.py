@@ -33,8 +33,9 @@ from trace_lightning.envs.scoring import (
     score_answer,
     token_f1,
 )
-from trace_lightning.envs.synthetic import ChainSimulator, make_tasks
+from trace_lightning.envs.synthetic import make_tasks
 from trace_lightning.iteration import build_trees
+from trace_lightning.simulator import ChainSimulator
 from trace_lightning.tree import RolloutTree, backup
 
 FUZZ_CASES = 100

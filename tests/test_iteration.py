@@ -4,8 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_lightning import allocation as alloc
-from trace_lightning.envs.synthetic import ChainSimulator, make_tasks, oracle_scores, state_of, true_value
+from trace_lightning.envs.synthetic import make_tasks, true_value
 from trace_lightning.iteration import Shard, balance, build_trees, prefix_candidates
+from trace_lightning.simulator import ChainSimulator, oracle_scores, state_of
 from trace_lightning.tree import RolloutTree, backup, tree_stats
 
 TASKS = {t.task_id: t for t in make_tasks(300, turns=4, seed=1)}

@@ -92,7 +92,6 @@ def browse(url: str, screenshot: Path | None = None) -> str:
     return proc.stdout
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium")
 def test_the_printed_link_opens_the_run_in_the_model_training_view(ui, trained, tmp_path):
     _, link = trained
     shot = tmp_path / "run.png"
@@ -104,7 +103,6 @@ def test_the_printed_link_opens_the_run_in_the_model_training_view(ui, trained, 
     assert "Evaluation runs" not in dom and "workflowType=genai" not in dom  # not the GenAI view
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium")
 def test_the_run_page_shows_the_tree_pngs(ui, trained):
     _, link = trained
     page, query = link.split("?")

@@ -93,7 +93,7 @@ def test_companion_predictor_is_frozen_and_feeds_the_head(tiny_model_dir, tmp_pa
 def test_scoring_with_a_shared_prompt_prefix_matches_plain_forward_passes(tiny_model_dir, monkeypatch):
     """The pool's common prefix runs once and its KV cache is shared; the scores must not change, for
     roots and for prefixes deeper in rollouts, with LoRA and without."""
-    from trace_lightning import module as module_lib
+    from trace_lightning.predictor import features as features_lib
 
     for adapter in (None, "lora"):
         torch.manual_seed(0)
@@ -103,10 +103,14 @@ def test_scoring_with_a_shared_prompt_prefix_matches_plain_forward_passes(tiny_m
         nodes = [[0, *(n.id for n in t.nodes[1:] if n.reward is None)] for t in trees]
         runner = data.collector.runner
         pool = [runner.new_tree(t) for t in sorted(runner.tasks)[:12]]
-        assert module_lib._common_prefix_len([t.prompt_ids for t in pool]) >= module_lib.MIN_SHARED_PREFIX
-        shared = module.predict_success(trees, nodes) + module.predict_success(pool, [[0]] * len(pool))
-        monkeypatch.setattr(module_lib, "MIN_SHARED_PREFIX", 10**9)
-        plain = module.predict_success(trees, nodes) + module.predict_success(pool, [[0]] * len(pool))
+        assert features_lib.common_prefix_len([t.prompt_ids for t in pool]) >= features_lib.MIN_SHARED_PREFIX
+
+        def predict(trees, nodes, scorer=module.scorer):
+            return [scorer.predict(f) for f in scorer.features(trees, nodes)]
+
+        shared = predict(trees, nodes) + predict(pool, [[0]] * len(pool))
+        monkeypatch.setattr(features_lib, "MIN_SHARED_PREFIX", 10**9)
+        plain = predict(trees, nodes) + predict(pool, [[0]] * len(pool))
         monkeypatch.undo()
         for a, b in zip(shared, plain, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)

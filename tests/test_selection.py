@@ -1,33 +1,11 @@
 """Stage 1 exploration and calibration (selection.py): pools, visit caps, the gate, Thompson sampling."""
 
-import itertools
-
 import numpy as np
 import pytest
 
 from trace_lightning.allocation import BetaPrior
-from trace_lightning.selection import Selection, auroc
+from trace_lightning.selection import Selection
 from trace_lightning.tree import RolloutTree
-
-
-def pairs_auroc(scores, labels):
-    """Share of (positive, negative) pairs the scores order correctly, ties half: AUROC by definition."""
-    pos = [s for s, y in zip(scores, labels, strict=True) if y]
-    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
-    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
-    return wins / (len(pos) * len(neg))
-
-
-def test_auroc_matches_pair_count():
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        n = int(rng.integers(2, 12))
-        scores = rng.choice([0.1, 0.2, 0.3, 0.5, 0.9], size=n)  # ties included
-        labels = rng.integers(0, 2, size=n)
-        if labels.all() or not labels.any():
-            assert np.isnan(auroc(scores, labels))
-            continue
-        assert auroc(scores, labels) == pytest.approx(pairs_auroc(scores, labels), abs=1e-6)
 
 
 def test_plain_pool_is_a_draw_without_replacement():
@@ -58,38 +36,78 @@ def tree_with_bare_outcomes(task_id, outcomes, predicted=0.5):
 def test_visit_cap_excludes_prompts_that_trained_too_often():
     sel = Selection(max_visits=2, visit_window=3)
     for it in range(2):
-        sel.observe(it, [tree_with_bare_outcomes(0, [1, 0])], np.array([0.5]))
+        sel.observe(it, [tree_with_bare_outcomes(0, [1, 0])], np.array([0.5]), set())
     rng = np.random.default_rng(0)
     for _ in range(20):
         assert 0 not in sel.draw_pool(list(range(5)), 4, 2, rng)
     # Three iterations later the visits have left the window: task 0 is a candidate again.
-    sel.observe(4, [tree_with_bare_outcomes(1, [1, 0])], np.array([0.5]))
+    sel.observe(4, [tree_with_bare_outcomes(1, [1, 0])], np.array([0.5]), set())
     assert any(0 in sel.draw_pool(list(range(5)), 4, 5, rng) for _ in range(20))
 
 
-def observe_roots(sel, iteration, predicted, mixed):
+def observe_slice(sel, iteration, predicted, outcomes):
+    """One iteration whose every tree was an unbiased-slice group with these bare outcomes."""
     trees = [
-        tree_with_bare_outcomes(i, [1, 0] if m else [1, 1], p)
-        for i, (p, m) in enumerate(zip(predicted, mixed, strict=True))
+        tree_with_bare_outcomes(i, o, p) for i, (p, o) in enumerate(zip(predicted, outcomes, strict=True))
     ]
-    return sel.observe(iteration, trees, np.array(predicted))
+    return sel.observe(iteration, trees, np.array(predicted), {t.task_id for t in trees})
 
 
-def test_gate_closes_on_predictions_that_do_not_rank_mixed_prompts():
-    sel = Selection(gate_auroc=0.6, gate_min_samples=4)
-    pred = np.array([0.5, 0.45, 0.05, 0.95])
-    assert sel.estimates(pred, [0, 1, 2, 3], BetaPrior(), np.random.default_rng(0)).tolist() == [0.5] * 4
-    # Predictions near 0.5 (high p(1-p)) were the unmixed ones: AUROC 0, the gate stays closed.
-    quality = observe_roots(sel, 0, [0.5, 0.45, 0.05, 0.95], [False, False, True, True])
-    assert not sel.gate()[0] and quality.auroc_mixed == 0.0
-    # Good rankings over the window open it: the raw predictions then reach Stage 1.
-    observe_roots(sel, 1, [0.5, 0.45, 0.05, 0.95], [True, True, False, False])
-    observe_roots(sel, 2, [0.5, 0.45, 0.05, 0.95], [True, True, False, False])
-    open_, value = sel.gate()
-    assert open_ and value == pytest.approx(
-        pairs_auroc([0.25, 0.2475, 0.0475, 0.0475] * 3, [0, 0, 1, 1] + [1, 1, 0, 0] * 2)
-    )
-    assert sel.estimates(pred, [0, 1, 2, 3], BetaPrior(), np.random.default_rng(0)).tolist() == pred.tolist()
+def skill_by_hand(p, outcomes, reference):
+    """1 - sum (p - y)^2 / sum (reference - y)^2 over every outcome, from the definition."""
+    pairs = [(pi, r, y) for pi, r, ys in zip(p, reference, outcomes, strict=True) for y in ys]
+    return 1 - sum((pi - y) ** 2 for pi, _, y in pairs) / sum((r - y) ** 2 for _, r, y in pairs)
+
+
+# Success rates 0.1, 0.3, 0.6, 0.9 and four outcomes each that match them as closely as 4 draws can.
+RATES = [0.1, 0.3, 0.6, 0.9]
+OUTCOMES = [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_the_skill_gate_opens_for_an_oracle_and_stays_closed_for_a_constant():
+    pool = np.array([0.5, 0.45, 0.05, 0.95])
+    oracle = Selection(explore_groups=4, explore_size=4, gate_skill=0.05, gate_min_samples=8)
+    constant = Selection(explore_groups=4, explore_size=4, gate_skill=0.05, gate_min_samples=8)
+    rng = np.random.default_rng(0)
+    assert oracle.estimates(pool, [0, 1, 2, 3], BetaPrior(), rng).tolist() == [0.5] * 4  # no evidence yet
+    for it in range(2):
+        quality = observe_slice(oracle, it, RATES, OUTCOMES)
+        observe_slice(constant, it, [0.5] * 4, OUTCOMES)  # the outcomes' own base rate, 8 of 16
+    open_, skill = oracle.gate()
+    # the base rate known before each iteration: 0.5 at first (none), then iteration 0's 8 of 16
+    assert open_ and skill == pytest.approx(skill_by_hand(RATES * 2, OUTCOMES * 2, [0.5] * 8))
+    assert quality.slice_skill == pytest.approx(skill_by_hand(RATES, OUTCOMES, [0.5] * 4))
+    assert oracle.estimates(pool, [0, 1, 2, 3], BetaPrior(), rng).tolist() == pool.tolist()
+    closed, constant_skill = constant.gate()
+    assert not closed and constant_skill == pytest.approx(0.0, abs=1e-12)
+    assert constant.estimates(pool, [0, 1, 2, 3], BetaPrior(), rng).tolist() == [0.5] * 4  # uniform Stage 1
+
+
+def test_the_gate_forgets_evidence_older_than_its_window():
+    sel = Selection(explore_groups=4, explore_size=4, gate_skill=0.05, gate_min_samples=8, gate_window=2)
+    for it in range(2):
+        observe_slice(sel, it, RATES, OUTCOMES)
+    assert sel.gate()[0]
+    for it in range(2, 4):  # now the predictions are reversed: worse than the base rate
+        observe_slice(sel, it, RATES[::-1], OUTCOMES)
+    open_, skill = sel.gate()
+    assert not open_ and skill == pytest.approx(skill_by_hand(RATES[::-1] * 2, OUTCOMES * 2, [0.5] * 8))
+
+
+def test_only_the_slice_feeds_the_gate():
+    sel = Selection(explore_groups=1, gate_skill=0.05, gate_min_samples=2)
+    trees = [tree_with_bare_outcomes(0, [1, 1], 0.9), tree_with_bare_outcomes(1, [0, 1], 0.5)]
+    sel.observe(0, trees, np.array([0.9, 0.5]), {1})
+    assert [h[1:] for h in sel.history] == [(0.5, 0.5, 1.0, 2.0)]  # prediction, base rate, wins, rollouts
+    assert sel.base_rate() == 0.75  # all bare rollouts count for the base rate: 3 of 4
+
+
+def test_the_slice_reserves_uniformly_drawn_groups():
+    sel, rng = Selection(explore_groups=3, explore_size=2), np.random.default_rng(0)
+    draws = np.array([sel.explore(10, rng) for _ in range(3000)])
+    assert set(np.unique(draws)) == {0, 2} and (draws.sum(1) == 6).all()
+    assert draws.mean(0) / 2 == pytest.approx(np.full(10, 0.3), abs=0.03)  # each candidate 3 in 10
+    assert Selection().explore(5, rng).tolist() == [0] * 5
 
 
 def test_thompson_samples_the_posterior_of_counts_and_prediction():
@@ -105,7 +123,7 @@ def test_thompson_samples_the_posterior_of_counts_and_prediction():
 
 
 def test_thompson_with_a_closed_gate_ignores_the_prediction():
-    sel = Selection(thompson=True, predictor_strength=100.0, gate_auroc=0.9)
+    sel = Selection(thompson=True, predictor_strength=100.0, explore_groups=1, gate_skill=0.9)
     rng = np.random.default_rng(0)
     draws = np.array([sel.estimates(np.array([0.99]), [0], BetaPrior(), rng)[0] for _ in range(20000)])
     assert draws.mean() == pytest.approx(0.5, abs=0.01)  # Beta(1, 1)
@@ -121,12 +139,13 @@ def test_decayed_counts_fade_once_per_iteration():
 
 
 def test_state_round_trip_continues_identically():
-    a = Selection(epoch_pools=True, max_visits=1, gate_auroc=0.5)
+    a = Selection(epoch_pools=True, max_visits=1, explore_groups=2, gate_skill=0.5)
     rng = np.random.default_rng(0)
     a.draw_pool(list(range(10)), 3, 0, rng)
-    observe_roots(a, 0, [0.5, 0.2], [True, False])
-    b = Selection(epoch_pools=True, max_visits=1, gate_auroc=0.5)
+    observe_slice(a, 0, [0.5, 0.2], [[1, 0], [0, 0]])
+    b = Selection(epoch_pools=True, max_visits=1, explore_groups=2, gate_skill=0.5)
     b.load_state_dict(a.state_dict())
+    assert b.history == a.history and len(a.history) == 2
     state = rng.bit_generator.state
     first = a.draw_pool(list(range(10)), 3, 1, rng)
     rng.bit_generator.state = state
@@ -134,8 +153,12 @@ def test_state_round_trip_continues_identically():
 
 
 def test_bad_values_name_their_key():
-    with pytest.raises(ValueError, match="selection.gate_auroc"):
-        Selection(gate_auroc=1.5)
+    with pytest.raises(ValueError, match="selection.gate_skill"):
+        Selection(explore_groups=1, gate_skill=1.5)
+    with pytest.raises(ValueError, match="selection.explore_groups"):
+        Selection(gate_skill=0.0)  # a gate with no slice to measure on
+    with pytest.raises(ValueError, match="selection.explore_size"):
+        Selection(explore_groups=1, explore_size=1)
     with pytest.raises(ValueError, match="selection.max_visits"):
         Selection(max_visits=0)
     with pytest.raises(ValueError, match="data.pool_size"):

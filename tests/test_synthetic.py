@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from trace_lightning.envs.synthetic import ChainTask, make_tasks, state_of, true_value
+from trace_lightning.envs.synthetic import ChainTask, make_tasks, true_value
+from trace_lightning.simulator import state_of
 from trace_lightning.tree import RolloutTree
 
 

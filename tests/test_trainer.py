@@ -27,6 +27,8 @@ GROUP_OPTIONS = [
     if group.is_dir() and group.name not in ("experiment", "debug", "__pycache__")
     for option in sorted(group.glob("*.yaml"))
 ]
+# options that build an opt-in resource carry its marker (tests/optin.py; tests/test_optin.py checks it)
+OPT_IN_OPTIONS = {("model", "gemma3_270m"): pytest.mark.gemma}
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -39,7 +41,10 @@ def make_cfg(tmp_path, *overrides):
         )
 
 
-@pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [pytest.param(g, o, marks=OPT_IN_OPTIONS.get((g, o), ()), id=f"{g}={o}") for g, o in GROUP_OPTIONS],
+)
 def test_every_group_option_composes_and_instantiates(tmp_path, group, option):
     cfg = (
         make_cfg(tmp_path, "model=tiny", f"{group}={option}")

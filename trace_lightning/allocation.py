@@ -339,9 +339,30 @@ class TreeAllocator:
             )
         return budget.leaves // (1 + self.expansion)
 
-    def allocate_roots(self, predicted: np.ndarray, budget: Budget, rng: np.random.Generator) -> np.ndarray:
-        counts = self.roots(np.asarray(predicted, dtype=np.float64), self.n_roots(budget), rng)
-        assert counts.sum() == self.n_roots(budget), f"{self.name}: root rule broke the budget"
+    def allocate_roots(
+        self,
+        predicted: np.ndarray,
+        budget: Budget,
+        rng: np.random.Generator,
+        reserved: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Bare rollouts per candidate [P], summing to M. `reserved` [P] fixes some candidates' counts in
+        advance (the unbiased slice, `selection.explore_groups`); the root rule splits the rest of M
+        over the other candidates.
+
+        Example: M = 8, reserved [2, 0, 0, 2] -> the rule places 4 rollouts among candidates 1 and 2."""
+        predicted, n_roots = np.asarray(predicted, dtype=np.float64), self.n_roots(budget)
+        fixed = np.zeros(len(predicted), dtype=np.int64) if reserved is None else np.asarray(reserved)
+        if fixed.sum() > n_roots:
+            raise BudgetError(
+                f"the unbiased slice takes {int(fixed.sum())} of {n_roots} root rollouts; lower "
+                "selection.explore_groups or raise budget.leaves"
+            )
+        counts = fixed.astype(np.int64).copy()
+        free, left = fixed == 0, n_roots - int(fixed.sum())
+        if left:  # the slice may take the whole root budget: then there is nothing left to allocate
+            counts[free] = self.roots(predicted[free], left, rng)
+        assert counts.sum() == n_roots, f"{self.name}: root rule broke the budget"
         return counts
 
     def allocate_prefixes(

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from trace_lightning import advantages as adv
-from trace_lightning.packing import PackedRows, pack, packed_tokens
+from trace_lightning.packing import PackedRows, budget_groups, pack, packed_tokens
 from trace_lightning.tree import RolloutTree, backup, predictor_targets
 
 
@@ -100,38 +100,41 @@ def _from_leaves(
     return _per_tree(trees, offsets, flat)
 
 
-class _PromptGroup:
+def _prompt_groups(
+    trees: Sequence[RolloutTree], leaf_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[np.ndarray]:
     """A leaf-level estimator over each prompt's leaves: `leaf_fn(rewards [L], groups [L]) -> [L]`."""
-
-    name: ClassVar[str]
-    leaf_fn: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, _: type(self).leaf_fn(r, groups))
+    return _from_leaves(trees, lambda r, groups, _: leaf_fn(r, groups))
 
 
 @dataclass(frozen=True)
-class GRPO(_PromptGroup):
+class GRPO:
     """Leaf reward standardised within its prompt's leaves (`advantages.grpo`)."""
 
     name = "grpo"
-    leaf_fn = staticmethod(adv.grpo)
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _prompt_groups(trees, adv.grpo)
 
 
 @dataclass(frozen=True)
-class DrGRPO(_PromptGroup):
+class DrGRPO:
     """Leaf reward centred within its prompt's leaves, no std division (`advantages.dr_grpo`)."""
 
     name = "dr_grpo"
-    leaf_fn = staticmethod(adv.dr_grpo)
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _prompt_groups(trees, adv.dr_grpo)
 
 
 @dataclass(frozen=True)
-class RLOO(_PromptGroup):
+class RLOO:
     """Leaf reward minus the mean of its prompt's other leaves (`advantages.rloo`)."""
 
     name = "rloo"
-    leaf_fn = staticmethod(adv.rloo)
+
+    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
+        return _prompt_groups(trees, adv.rloo)
 
 
 @dataclass(frozen=True)
@@ -289,3 +292,53 @@ def _rows(trees: Sequence[RolloutTree], keys: Sequence[tuple[int, int]]) -> list
         used[row] += size[ti]
         row_of[ti] = row
     return [row_of[ti] for ti, _ in keys]
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How sampled trees become micro-batches (the `data` group's batching keys and the `advantage`
+    group's estimator): the one entry point from trees to training batches."""
+
+    micro_batch_size: int  # leaf sequences per micro-batch, used only when micro_batch_tokens is None
+    micro_batch_tokens: int | None  # packed tokens per micro-batch (whole trees where they fit)
+    estimator: Estimator
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"data.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(
+                f"data.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to batch "
+                "data.micro_batch_size sequences at a time"
+            )
+
+    def plan(self, trees: Sequence[RolloutTree]) -> list[list[LeafSequence]]:
+        """The leaf sequences (with node advantages) of each micro-batch: up to `micro_batch_tokens`
+        packed tokens (whole trees where they fit, `packing.budget_groups`), or `micro_batch_size`
+        sequences when that is None."""
+        seqs = leaf_sequences(trees, node_advantages(trees, self.estimator))
+        if self.micro_batch_tokens is not None:
+            keys = [(s.tree_index, s.leaf) for s in seqs]
+            return [[seqs[j] for j in g] for g in budget_groups(trees, keys, self.micro_batch_tokens)]
+        size = self.micro_batch_size
+        return [seqs[i : i + size] for i in range(0, len(seqs), size)]
+
+
+def micro_batches(
+    plan: Sequence[Sequence[LeafSequence]],
+    trees: Sequence[RolloutTree],
+    count: int,
+    pad_id: int,
+    idle: list[int],
+) -> list[RolloutBatch]:
+    """`count` micro-batches: the plan's, tree-packed, then batches that train nothing (one `idle` prompt,
+    all-zero loss mask) up to `count`, so that every process runs the same number (DDP synchronises
+    each backward)."""
+    n = len(idle)
+    idle_seq = LeafSequence(0, 0, list(idle), [0] * n, [0.0] * n, [], [], [], [math.nan] * n)
+    return [collate_packed(c, trees, pad_id) if c else collate([idle_seq], pad_id) for c in plan] + [
+        collate([idle_seq], pad_id) for _ in range(count - len(plan))
+    ]

@@ -19,32 +19,24 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
-from trace_lightning.batching import (
-    Estimator,
-    LeafSequence,
-    RolloutBatch,
-    collate,
-    collate_packed,
-    leaf_sequences,
-    node_advantages,
-)
+from trace_lightning.batching import Batching, RolloutBatch, micro_batches
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment, split_tasks
 from trace_lightning.iteration import Branch, Iteration, build_trees
-from trace_lightning.packing import budget_groups
-from trace_lightning.predictor import PredictorFit, ReplayEntry
+from trace_lightning.predictor import PredictorFit, PrefixScorer
+from trace_lightning.predictor.calibration import PlattCalibration
+from trace_lightning.predictor.online import Features, IterationScorer, refit
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
-from trace_lightning.sharding import trainable_sum
-from trace_lightning.tree import SUCCESS, RolloutTree, backup
+from trace_lightning.tree import SUCCESS, RolloutTree
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
 # display (console.IterationProgress) shows the same counts as they happen.
@@ -73,6 +65,8 @@ class IterationReport:
     refit_loss: float = math.nan  # the predictor refit's last minibatch loss (NaN: no refit ran)
     engine_stats: EngineStats | None = None  # this process's engine counters for this iteration
     local_trees: list[RolloutTree] | None = None  # this process's part of `result.trees`
+    pool_ids: list[int] | None = None  # the candidate pool's task ids, in `result.pool_predicted`'s order
+    root_estimates: np.ndarray | None = None  # [P] what Stage 1 optimised over (after selection)
 
 
 @dataclass(frozen=True)
@@ -85,22 +79,29 @@ class HeldOutResult:
     episodes: int
 
 
-@dataclass(frozen=True)
-class Batching:
-    """How the sampled trees become micro-batches (the `data` group's batching keys)."""
+class Learner(Protocol):
+    """What the collector needs of the module it samples for (`module.TraceModule` is one): the tokenizer
+    and sampling settings, the network the engine samples with, the predictor's scorer, and the hooks
+    around a generation phase. Nothing else of the module is touched here."""
 
-    micro_batch_size: int  # leaf sequences per micro-batch, used only when micro_batch_tokens is None
-    micro_batch_tokens: int | None  # packed tokens per micro-batch (whole trees where they fit)
-    estimator: Estimator  # the `advantage` group's estimator (batching.py)
+    tokenizer: Any
+    sampling: SamplingParams
+    scorer: PrefixScorer
 
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"data.micro_batch_size={self.micro_batch_size} must be >= 1")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(
-                f"data.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to batch "
-                "data.micro_batch_size sequences at a time"
-            )
+    @property
+    def rollout_policy(self) -> torch.nn.Module: ...
+
+    def sync_rollout_policy(self) -> None:
+        """Bring the network the engine reads up to the trained weights (FSDP2: gather the shards)."""
+        ...
+
+    def weights_fingerprint(self) -> float:
+        """A number that changes whenever the policy's trainable weights do (the same on every process)."""
+        ...
+
+    def fill_old_logprobs(self, batch: RolloutBatch) -> None:
+        """Set `batch.old_logprobs` with the forward pass the first training step will run."""
+        ...
 
 
 class RolloutCollector:
@@ -145,13 +146,17 @@ class RolloutCollector:
         self.iteration = 0
         self.report: IterationReport | None = None
         self.runner: ReActRunner | None = None
-        self._engine_version: float | None = None  # policy fingerprint the engine last synced to
+        self._engine_version = math.nan  # policy fingerprint the engine last synced to (NaN: never)
         self.on_episode_end: Callable[[], None] | None = None  # called as each episode ends (progress bars)
+        # An upper-bound instrument for benchmarks, never a method: when set, Stage 1 runs on what it
+        # returns for the pool's task ids (e.g. Monte Carlo success rates from `probe`, whose episodes
+        # are outside the budget) instead of the predictor's estimates (benchmarks/learning.py, true_v).
+        self.root_oracle: Callable[[Learner, list[int]], np.ndarray] | None = None
 
     # ------------------------------------------------------------------ engine lifetime
 
-    def start(self, module: Any) -> None:
-        """Build the engine on the module's policy (idempotent)."""
+    def start(self, module: Learner) -> None:
+        """Build the engine on the module's rollout policy (idempotent)."""
         if self.runner is not None:
             return
         scored_at = module.sampling.temperature
@@ -166,31 +171,36 @@ class RolloutCollector:
 
     def close(self) -> None:
         """Release the engine (a vLLM engine frees its memory and worker state); a later start rebuilds."""
-        if self.runner is not None and hasattr(self.runner.engine, "close"):
+        if self.runner is not None:
             self.runner.engine.close()
-        self.runner, self._engine_version = None, None
+        self.runner, self._engine_version = None, math.nan
 
     # ------------------------------------------------------------------ one iteration
 
-    def collect(self, module: Any, processes: Processes = Processes()) -> list[RolloutBatch]:
+    def collect(self, module: Learner, processes: Processes = Processes()) -> list[RolloutBatch]:
         """Sample one iteration of trees with the module's current policy and turn them into batches;
         `self.report` describes it. With several processes see `distributed.py`."""
         self.start(module)
         runner = self.runner
         assert runner is not None
-        runner.counters, runner.on_episode_end = RolloutCounters(), self.on_episode_end
+        runner.take_counters(), runner.engine.take_stats()  # what ran since the last iteration is not its
+        runner.on_episode_end = self.on_episode_end
         pool_ids = self.selection.draw_pool(self.train_ids, self.pool_size, self.iteration, self.rng)
         pool = [runner.new_tree(t) for t in pool_ids]
         used_prior = self.prior.active(self.iteration)
-        score = _RecordingScorer(module, self.prior, used_prior)
-        weights_used = fingerprint(module)
+        score = IterationScorer(module.scorer, self.prior, used_prior)
         sync_seconds = self._sync_engine(runner.engine, module)
         _log_info(
             f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
         )
         start = time.perf_counter()
         raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
-        estimates = self.selection.estimates(raw, pool_ids, self.prior, self.rng)  # [P] what Stage 1 uses
+        calibration = self.predictor_fit.calibration if self.predictor_fit is not None else None
+        predicted = calibration(raw) if calibration is not None and not used_prior else raw  # [P]
+        estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
+        if self.root_oracle is not None:
+            estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
+        reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
         torch.set_rng_state(self._sampling_rng)
         local = build_trees(
             pool,
@@ -201,72 +211,56 @@ class RolloutCollector:
             self.rng,
             processes.shard(estimates, self.rng),
             estimates,
+            reserved,
         )
         self._sampling_rng = torch.get_rng_state()
-        for tree, v in zip(pool, raw, strict=True):  # calibration is measured on the raw predictions
+        for tree, v in zip(pool, predicted, strict=True):  # gauges judge the predictor's output, as made
             tree.root.predicted = float(v)
-        if hasattr(runner.engine, "sleep"):  # optional: frees accelerator memory for training
-            runner.engine.sleep()
+        runner.engine.sleep()  # frees accelerator memory for training (a no-op where there is none)
         sample_seconds = time.perf_counter() - start
-        result, counters = processes.gather_iteration(local, runner.counters, self.budget)
+        result, counters = processes.gather_iteration(local, runner.take_counters(), self.budget)
         _log_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
-        quality = self.selection.observe(self.iteration, result.trees, raw)
-        refit_loss = self._refit(module, pool, result.trees, score.features, processes)
+        slice_ids = {t for t, r in zip(pool_ids, reserved, strict=True) if r}
+        quality = self.selection.observe(self.iteration, result.trees, predicted, slice_ids)
+        if calibration is not None and not used_prior:
+            self._calibrate(calibration, dict(zip(pool_ids, raw, strict=True)), result.trees)
+        refit_loss = self._refit(module.scorer, pool, result.trees, score.features, processes)
         self.prior.step()
         for tree in result.trees:
             wins = bare_outcomes(tree)
             self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
         batches, gaps = self._batches(local.trees, module, pool, processes)
-        mismatch = _mean_max(np.concatenate(processes.all_gather(gaps)))
-        engine_stats, runner.engine.stats = runner.engine.stats, EngineStats()
+        mismatch_mean, mismatch_max = _mean_max(np.concatenate(processes.all_gather(gaps)))
         self.report = IterationReport(
-            self.iteration,
-            Iteration(result.trees, result.ledger, raw, result.root_counts),
-            counters,
-            used_prior,
-            weights_used,
-            sync_seconds,
-            sample_seconds,
-            *mismatch,
+            iteration=self.iteration,
+            result=Iteration(result.trees, result.ledger, predicted, result.root_counts),
+            counters=counters,
+            used_prior=used_prior,
+            policy_fingerprint=self._engine_version,
+            sync_seconds=sync_seconds,
+            sample_seconds=sample_seconds,
+            logprob_mismatch=mismatch_mean,
+            logprob_mismatch_max=mismatch_max,
             processes=processes.world,
             root_quality=quality,
             refit_loss=refit_loss,
-            engine_stats=engine_stats,
+            engine_stats=runner.engine.take_stats(),
             local_trees=local.trees,
+            pool_ids=pool_ids,
+            root_estimates=estimates,
         )
         self.iteration += 1
         return batches
 
-    def evaluate(self, module: Any, samples: int, seed: int) -> HeldOutResult | None:
-        """`samples` episodes of every held-out task with the current policy (None: none held out).
-
-        The training streams are left exactly as they were: the torch RNG is saved and restored around
-        a seeded draw of its own, and the runner's counters and the engine's stats are put back, so an
-        evaluation changes neither what the next iteration samples nor what it reports."""
+    def evaluate(self, module: Learner, samples: int, seed: int) -> HeldOutResult | None:
+        """`samples` episodes of every held-out task with the current policy (None: none held out),
+        outside every training stream (`play`)."""
         if not self.held_out:
             return None
-        self.start(module)
-        runner = self.runner
-        assert runner is not None
-        self._sync_engine(runner.engine, module)
-        trees = [runner.new_tree(t) for t in self.held_out]
-        n = len(trees) * samples
-        ledger = BudgetLedger(Budget(n))
-        ledger.reserve_leaves(n, "bare")
-        saved = (torch.get_rng_state(), runner.counters, runner.on_episode_end, runner.engine.stats)
-        runner.counters, runner.on_episode_end, runner.engine.stats = RolloutCounters(), None, EngineStats()
-        torch.manual_seed(seed)
-        try:
-            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
-        finally:
-            torch.set_rng_state(saved[0])
-            runner.counters, runner.on_episode_end, runner.engine.stats = saved[1:]
-        if hasattr(runner.engine, "sleep"):
-            runner.engine.sleep()
-        leaves = [t.nodes[x] for t in trees for x in t.leaves()]
+        leaves = [t.nodes[x] for t in self.play(module, self.held_out, samples, seed) for x in t.leaves()]
         return HeldOutResult(
             success=float(np.mean([float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves])),
             reward=float(np.mean([float(leaf.reward or 0.0) for leaf in leaves])),
@@ -274,38 +268,65 @@ class RolloutCollector:
             episodes=len(leaves),
         )
 
+    def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
+        """Successes of `samples` episodes of each task [P] under the current policy: a Monte Carlo
+        estimate of V(prompt), outside the budget (`play`), for gauging the predictor (issue 20)."""
+        trees = self.play(module, task_ids, samples, seed)
+        return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
+
+    def play(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> list[RolloutTree]:
+        """`samples` bare episodes of each task with the current policy, outside every training stream:
+        a runner of its own (its counters are not the iteration's), the torch RNG saved and restored
+        around a draw seeded with `seed`, and the engine's counters for these episodes taken and
+        dropped. So playing changes neither what the next iteration samples nor what it reports."""
+        self.start(module)
+        assert self.runner is not None
+        engine = self.runner.engine
+        self._sync_engine(engine, module)
+        runner = ReActRunner(engine, module.tokenizer, self.env, self.sampling, self.limits)
+        trees = [runner.new_tree(t) for t in task_ids]
+        ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
+        ledger.reserve_leaves(len(trees) * samples, "bare")
+        saved_rng = torch.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
+        finally:
+            torch.set_rng_state(saved_rng)
+            engine.take_stats()
+        engine.sleep()
+        return trees
+
     def _refit(
         self,
-        module: Any,
+        scorer: PrefixScorer,
         pool: list[RolloutTree],
         trees: list[RolloutTree],
-        features: dict[tuple[int, int], Any],
+        features: Features,
         processes: Processes,
     ) -> float:
-        """Fit the head on this and recent iterations' V̂ targets, before the policy trains on them.
-
-        Root targets are the mean of the bare rollouts only; a prefix's target is its subtree mean.
-        Every process gathers the same features and runs the same fit, so the head stays replicated."""
+        """The predictor refit (`predictor.online.refit`) on every process's scored prefixes: each process
+        gathers the same features and runs the same fit, so the head stays replicated."""
         if self.predictor_fit is None:
             return math.nan
-        seen: dict[tuple[int, int], Any] = {}
+        seen: Features = {}
         for part in processes.all_gather(features):
             seen.update(part)
-        scaler = getattr(module.head, "scaler", None)
-        if scaler is not None:
-            roots = [seen[(t.task_id, 0)] for t in pool if (t.task_id, 0) in seen]
-            if roots:
-                scaler.update(torch.stack(roots))
-        for tree in trees:
-            entry = _replay_entry(tree, seen, self.iteration)
-            if entry is not None:
-                self.predictor_fit.add(tree.task_id, entry)
-        return self.predictor_fit.fit(module.head, self.iteration)
+        return refit(self.predictor_fit, scorer, pool, trees, seen, self.iteration)
 
-    def _sync_engine(self, engine: GenerationEngine, module: Any) -> float:
+    def _calibrate(
+        self, calibration: PlattCalibration, raw: dict[int, float], trees: list[RolloutTree]
+    ) -> None:
+        """Refit the Platt map on the head's raw root predictions and the bare outcomes they preceded."""
+        wins = [bare_outcomes(t) for t in trees]
+        calibration.observe(
+            self.iteration, [raw[t.task_id] for t in trees], [w.sum() for w in wins], [len(w) for w in wins]
+        )
+
+    def _sync_engine(self, engine: GenerationEngine, module: Learner) -> float:
         """Bring the engine to the policy's current weights when they changed since its last sync (or it
         has never been synced: a resumed policy differs from the weights the engine loaded). Seconds."""
-        version = fingerprint(module.policy)
+        version = module.weights_fingerprint()
         if self._engine_version == version:
             return 0.0
         start = time.perf_counter()
@@ -317,38 +338,22 @@ class RolloutCollector:
     # ------------------------------------------------------------------ batches
 
     def _batches(
-        self, trees: list[RolloutTree], module: Any, pool: list[RolloutTree], processes: Processes
+        self, trees: list[RolloutTree], module: Learner, pool: list[RolloutTree], processes: Processes
     ) -> tuple[list[RolloutBatch], np.ndarray]:
-        """Tree-packed micro-batches with old log-probs, and |engine - trainer| log-prob gaps on the
-        trained tokens. A micro-batch holds up to `micro_batch_tokens` packed tokens (whole trees where
-        they fit, see `packing.budget_groups`), or `micro_batch_size` leaf sequences when that is None.
-
-        Every process must run the same number of micro-batches (DDP synchronises each backward), so a
-        process with fewer leaves pads with batches that train nothing (all-zero loss mask)."""
-        seqs = leaf_sequences(trees, node_advantages(trees, self.batching.estimator))
-        groups = self._groups(trees, seqs)
-        n_batches = max(processes.all_gather(len(groups)))
-        pad = module.tokenizer.pad_token_id
-        batches, gaps = [], []
-        for i in range(n_batches):
-            chunk = [seqs[j] for j in groups[i]] if i < len(groups) else []
-            batch = collate_packed(chunk, trees, pad) if chunk else _idle_batch(pool[0].prompt_ids, pad)
+        """This process's micro-batches (`Batching.plan`) with old log-probs, and |engine - trainer|
+        log-prob gaps on the trained tokens. Every process runs as many micro-batches as the busiest
+        one (DDP synchronises each backward); the others pad with batches that train nothing."""
+        plan = self.batching.plan(trees)
+        count = max(processes.all_gather(len(plan)))
+        batches = micro_batches(plan, trees, count, module.tokenizer.pad_token_id, pool[0].prompt_ids)
+        gaps = []
+        for batch, chunk in zip(batches, [*plan, *[[]] * (count - len(plan))], strict=True):
             module.fill_old_logprobs(batch)
             for row, seq in enumerate(chunk):
                 engine = torch.tensor(seq.engine_logprobs)  # [T]
                 known = torch.isfinite(engine)
                 gaps.append((batch.old_logprobs[row, : len(engine)][known] - engine[known]).abs().numpy())
-            batches.append(batch)
         return batches, np.concatenate(gaps) if gaps else np.zeros(0)
-
-    def _groups(self, trees: list[RolloutTree], seqs: list[LeafSequence]) -> list[list[int]]:
-        """Indices into `seqs` of each micro-batch: by packed-token budget, or a fixed count."""
-        if self.batching.micro_batch_tokens is not None:
-            return budget_groups(
-                trees, [(s.tree_index, s.leaf) for s in seqs], self.batching.micro_batch_tokens
-            )
-        size = self.batching.micro_batch_size
-        return [list(range(i, min(i + size, len(seqs)))) for i in range(0, len(seqs), size)]
 
     # ------------------------------------------------------------------ resume
 
@@ -375,7 +380,7 @@ class RolloutCollector:
             self.predictor_fit.load_state_dict(state["predictor_fit"])
 
 
-def _root_predictions(pool: list[RolloutTree], score: _RecordingScorer, processes: Processes) -> np.ndarray:
+def _root_predictions(pool: list[RolloutTree], score: IterationScorer, processes: Processes) -> np.ndarray:
     """Root estimates over the whole pool [P]; with several processes each scores a round-robin share
     and the scores are gathered, so all see the same pool."""
     if processes.world == 1:
@@ -385,67 +390,5 @@ def _root_predictions(pool: list[RolloutTree], score: _RecordingScorer, processe
     return processes.gather_scores(len(pool), [float(v[0]) for v in local])
 
 
-class _RecordingScorer:
-    """The scorer the iteration runs with: the head's predictions (or the cold-start prior's), keeping
-    each scored prefix's head input, keyed (task_id, node_id), for the refit after the rollouts.
-
-    With `predictor.posterior_features` the input also carries the prompt's decayed posterior mean
-    and log(1 + decayed visits) as they were before this iteration."""
-
-    def __init__(self, module: Any, prior: BetaPrior, use_prior: bool) -> None:
-        self.module, self.prior, self.use_prior = module, prior, use_prior
-        self.extra = bool(module.predictor_settings.posterior_features)
-        self.features: dict[tuple[int, int], torch.Tensor] = {}
-
-    def __call__(self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        feats = self.module.prefix_features(trees, node_ids)
-        out = []
-        for tree, nodes, f in zip(trees, node_ids, feats, strict=True):
-            if self.extra:
-                stats = torch.tensor(
-                    [self.prior.mean([tree.task_id])[0], math.log1p(self.prior.visits([tree.task_id])[0])]
-                )
-                f = torch.cat([f, stats.float().expand(len(f), -1)], dim=1)
-            self.features.update({(tree.task_id, int(n)): row for n, row in zip(nodes, f, strict=True)})
-            prior = np.repeat(self.prior.mean([tree.task_id]), len(nodes))
-            out.append(prior if self.use_prior else self.module.head_predict(f))
-        return out
-
-
-def _replay_entry(
-    tree: RolloutTree, features: dict[tuple[int, int], Any], iteration: int
-) -> ReplayEntry | None:
-    """The tree's scored nodes as predictor targets: the root from its bare rollouts, prefixes from
-    their subtree means; weights are leaf counts."""
-    rows, targets, weights = [], [], []
-    bare = [float(tree.nodes[x].reward) for x in tree.leaves() if tree.nodes[x].stage == "bare"]  # type: ignore[arg-type]
-    if (tree.task_id, 0) in features and bare:
-        rows.append(features[(tree.task_id, 0)])
-        targets.append(float(np.mean(bare)))
-        weights.append(float(len(bare)))
-    b = backup(tree)
-    for node in tree.nodes[1:]:
-        if (tree.task_id, node.id) in features and b.leaves[node.id] > 0:
-            rows.append(features[(tree.task_id, node.id)])
-            targets.append(float(b.value[node.id]))
-            weights.append(float(b.leaves[node.id]))
-    if not rows:
-        return None
-    return ReplayEntry(iteration, torch.stack(rows), torch.tensor(targets), torch.tensor(weights))
-
-
-def _idle_batch(prompt_ids: list[int], pad_id: int) -> RolloutBatch:
-    """A micro-batch that trains nothing: one prompt, no trained token, no predictor target."""
-    n = len(prompt_ids)
-    return collate(
-        [LeafSequence(0, 0, list(prompt_ids), [0] * n, [0.0] * n, [], [], [], [math.nan] * n)], pad_id
-    )
-
-
 def _mean_max(gaps: np.ndarray) -> tuple[float, float]:
     return (float(gaps.mean()), float(gaps.max())) if gaps.size else (math.nan, math.nan)
-
-
-def fingerprint(module: torch.nn.Module) -> float:
-    """Sum of the trainable weights: cheap evidence of which weights produced a batch."""
-    return trainable_sum(module)  # also over FSDP2 shards, the same number on every process

@@ -17,8 +17,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
-from trace_lightning.batching import Estimator, RolloutBatch, TreeGRPO
-from trace_lightning.collector import Batching, EngineFactory, IterationReport, RolloutCollector
+from trace_lightning.batching import Batching, Estimator, RolloutBatch, TreeGRPO
+from trace_lightning.collector import EngineFactory, IterationReport, Learner, RolloutCollector
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import Environment
@@ -121,7 +121,7 @@ class RolloutDataModule(L.LightningDataModule):
         batches = self.build_iteration(self.trainer.lightning_module)
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
-    def build_iteration(self, module: Any) -> list[RolloutBatch]:
+    def build_iteration(self, module: Learner) -> list[RolloutBatch]:
         """One iteration's micro-batches, sampled with the module's current policy (see the collector)."""
         return self.collector.collect(module, Processes.of(self.trainer))
 

@@ -88,13 +88,14 @@ def build_trees(
     rng: np.random.Generator,
     shard: Shard | None = None,
     root_scores: np.ndarray | None = None,
+    reserved: np.ndarray | None = None,
 ) -> Iteration:
     """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`.
 
     Stage 1 runs on `root_scores` [P] when given (e.g. exploration estimates, `selection.py`), else on
-    `score` at every root. With a `shard`, the root counts cover the whole pool (and sum to the global
-    budget) but only the owned prompts are rolled out; the returned trees and ledger are this
-    process's part.
+    `score` at every root; `reserved` [P] fixes some candidates' bare counts (the unbiased slice).
+    With a `shard`, the root counts cover the whole pool (and sum to the global budget) but only the
+    owned prompts are rolled out; the returned trees and ledger are this process's part.
     """
     ledger = BudgetLedger(budget)
     if shard is not None:
@@ -103,7 +104,7 @@ def build_trees(
         predicted = _checked([np.asarray(root_scores, dtype=np.float64)], "roots")[0]
     else:
         predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
-    counts = allocator.allocate_roots(predicted, budget, rng)
+    counts = allocator.allocate_roots(predicted, budget, rng, reserved)
     for tree, v in zip(pool, predicted, strict=True):
         tree.root.predicted = float(v)
     owner = np.zeros(len(pool), dtype=np.int64) if shard is None else balance(counts, shard.world)

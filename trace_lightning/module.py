@@ -9,17 +9,15 @@ a frozen copy, made only when kl_coef > 0. Gradient accumulation and precision c
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 
-from trace_lightning.batching import RolloutBatch, right_pad
+from trace_lightning.batching import RolloutBatch
 from trace_lightning.engines.base import SamplingParams
-from trace_lightning.engines.kv import CACHE_KWARG, fan_out, prefill
 from trace_lightning.losses import (
     Aggregation,
     LossSettings,
@@ -30,9 +28,15 @@ from trace_lightning.losses import (
 )
 from trace_lightning.models import Policy
 from trace_lightning.packing import trained_logprobs, tree_mask_works
-from trace_lightning.predictor import PredictorSettings, SuccessHead, gather_positions
-from trace_lightning.sharding import RolloutCopy, all_finite, average_grads, clip_grad_norm, shard_policy
-from trace_lightning.tree import RolloutTree
+from trace_lightning.predictor import PredictorSettings, PrefixScorer, SuccessHead, gather_positions
+from trace_lightning.sharding import (
+    RolloutCopy,
+    all_finite,
+    average_grads,
+    clip_grad_norm,
+    shard_policy,
+    trainable_sum,
+)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -90,6 +94,16 @@ class TraceModule(L.LightningModule):
         self.companion = None if companion is None else self._companion(companion)
         backbone = self.companion if self.companion is not None else self.policy
         self.head = head if head is not None else predictor.build_head(backbone.config.hidden_size)
+        # what the collector scores prefixes with: the head on the companion's or the rollout policy's states
+        self.scorer = PrefixScorer(
+            lambda: self.companion if self.companion is not None else self.rollout_policy,
+            self.tokenizer,
+            self.head,
+            predictor.pooling,
+            predictor.posterior_features,
+            predictor.text_buckets,
+            predictor.policy_features,
+        )
         self._loss_skipped, self._skipped_in_a_row = False, 0  # see on_before_optimizer_step
         self._tree_mask_ok: dict[int, bool] = {}  # id(model) -> it takes packed batches (packing.py)
         self._rollout: RolloutCopy | None = None  # the unsharded copy under FSDP2 (rollout_policy)
@@ -137,40 +151,6 @@ class TraceModule(L.LightningModule):
             out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1)
             return out.hidden_states[-1]
 
-    def _scoring_hidden(
-        self, seqs: list[list[int]], first_read: int
-    ) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """Hidden states the head reads for right-padded `seqs` [B, T - c, H], from position c on, and
-        the sum of the states at positions 0..c-1 [H] (for mean pooling).
-
-        A candidate pool shares its chat template and system prompt (104 of ~121 tokens per prompt on
-        search_qa), so the chunk's common token prefix, up to the first position read, runs once and
-        its KV cache is copied to every row; only the rest runs per row. Same states, less compute.
-        """
-        pad = self.tokenizer.pad_token_id
-        shared = min(_common_prefix_len(seqs), first_read, min(len(s) for s in seqs) - 1)
-        if len(seqs) == 1 or shared < MIN_SHARED_PREFIX:
-            ids, mask = right_pad(seqs, pad)
-            hidden = self._predictor_hidden(ids.to(self.device), mask.to(self.device), None)
-            return hidden, 0, torch.zeros(hidden.shape[-1], device=self.device)
-        model = self.companion if self.companion is not None else self.rollout_policy
-        with torch.no_grad():
-            prefix = torch.tensor([seqs[0][:shared]], device=self.device)
-            cache, first = prefill(model, prefix, hidden_states=True)
-            fan_out(cache, torch.zeros(len(seqs), dtype=torch.long, device=self.device))
-            ids, suffix_mask = right_pad([s[shared:] for s in seqs], pad)
-            mask = torch.cat([torch.ones(len(seqs), shared, dtype=torch.long), suffix_mask], dim=1)
-            positions = shared + torch.arange(ids.shape[1]).expand(len(seqs), -1)
-            out = model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                output_hidden_states=True,
-                logits_to_keep=1,
-                **{CACHE_KWARG: cache},
-            )
-        return out.hidden_states[-1], shared, first.hidden_states[-1][0].sum(0)
-
     # ------------------------------------------------------------------ forward passes
 
     def _batch_forward(
@@ -215,72 +195,10 @@ class TraceModule(L.LightningModule):
         device_batch = self.transfer_batch_to_device(batch, self.device, 0)
         batch.old_logprobs = self._batch_forward(self.policy, device_batch)[0].cpu()
 
-    @torch.no_grad()
-    def predict_success(
-        self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
-    ) -> list[np.ndarray]:
-        """Ṽ_ψ at the requested prefixes (the head on `prefix_features`)."""
-        return [self.head_predict(f) for f in self.prefix_features(trees, node_ids)]
-
-    @torch.no_grad()
-    def head_predict(self, features: torch.Tensor) -> np.ndarray:
-        """P(success) [K] from head inputs [K, F]."""
-        if len(features) == 0:
-            return np.zeros(0, dtype=np.float64)
-        return torch.sigmoid(self.head(features.to(self.device))).double().cpu().numpy()
-
-    @torch.no_grad()
-    def prefix_features(
-        self, trees: Sequence[RolloutTree], node_ids: Sequence[Sequence[int]]
-    ) -> list[torch.Tensor]:
-        """The head's input at each requested prefix, one [n_i, F] tensor per tree: the last hidden
-        state at the prefix's last token, and with `predictor_pooling="last_mean"` also the mean of the
-        last hidden states over the whole prefix (F = 2H). Prefixes on the same rollout share one
-        forward pass over it (causal attention: the states up to the end of H_t have seen only H_t).
-
-        Why the mean (issue 11, measured on benchmarks/learning.py's testbed): the last token's state
-        is about what comes next, not about the task; a head fitted to 150 prompts on it correlated
-        0.41 with their success, on the mean 0.75."""
-        reads: dict[tuple[int, int], list[int]] = {}  # (tree, node whose path is run) -> prefixes read on it
-        for ti, (tree, nodes) in enumerate(zip(trees, node_ids, strict=True)):
-            owner = tree.owner_leaf()
-            for n in nodes:
-                reads.setdefault((ti, int(owner[n]) if owner[n] >= 0 else n), []).append(n)
-        jobs = [(ti, src, prefixes) for (ti, src), prefixes in reads.items()]
-        found: dict[tuple[int, int], torch.Tensor] = {}
-        bs = SCORE_BATCH_SIZE
-        for start in range(0, len(jobs), bs):
-            chunk = jobs[start : start + bs]
-            seqs = [trees[ti].token_ids(src) for ti, src, _ in chunk]
-            rows = [r for r, (_, _, prefixes) in enumerate(chunk) for _ in prefixes]
-            cols = [len(trees[ti].token_ids(n)) - 1 for ti, _, prefixes in chunk for n in prefixes]
-            hidden, offset, before = self._scoring_hidden(seqs, min(cols))
-            picked = (
-                gather_positions(
-                    hidden,
-                    torch.tensor(rows, device=self.device),
-                    torch.tensor(cols, device=self.device) - offset,
-                )
-                .float()
-                .cpu()
-            )  # [K, H]
-            if self.predictor_settings.pooling == "last_mean":
-                sums = hidden.cumsum(1) + before  # [B, T - c, H]: sum of the states at positions <= t
-                at = torch.tensor(cols, device=self.device)
-                mean = sums[torch.tensor(rows, device=self.device), at - offset] / (at[:, None] + 1)
-                picked = torch.cat([picked, mean.float().cpu()], dim=1)  # [K, 2H]
-            keys = [(ti, n) for ti, _, prefixes in chunk for n in prefixes]
-            found.update(zip(keys, picked, strict=True))
-        width = self.head_input_size()
-        return [
-            torch.stack([found[(ti, n)] for n in nodes]) if len(nodes) else torch.zeros(0, width)
-            for ti, nodes in enumerate(node_ids)
-        ]
-
-    def head_input_size(self) -> int:
-        """Width of `prefix_features` (before the refit's optional prompt statistics)."""
-        backbone = self.companion if self.companion is not None else self.policy
-        return self.predictor_settings.input_size(int(backbone.config.hidden_size))
+    def weights_fingerprint(self) -> float:
+        """Sum of the policy's trainable weights (over FSDP2 shards too: a collective): cheap evidence of
+        which weights sampled a batch, and whether the engine must sync."""
+        return trainable_sum(self.policy)
 
     # ------------------------------------------------------------------ training
 
@@ -408,19 +326,6 @@ class TraceModule(L.LightningModule):
         }
 
 
-SCORE_BATCH_SIZE = 16  # rollouts per predictor scoring forward pass
-MIN_SHARED_PREFIX = 16  # below this, one plain forward pass is cheaper than the cache bookkeeping
-
-
 def _has_adapters(model: torch.nn.Module) -> bool:
     """A peft-wrapped model: its reference policy is the base with the adapters disabled."""
     return hasattr(model, "disable_adapter")
-
-
-def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest token prefix every sequence starts with."""
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return n

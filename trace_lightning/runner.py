@@ -213,6 +213,11 @@ class ReActRunner:
         self.counters = RolloutCounters()
         self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
 
+    def take_counters(self) -> RolloutCounters:
+        """The counters since the last call, which start again from zero."""
+        counters, self.counters = self.counters, RolloutCounters()
+        return counters
+
     def prompt_ids(self, task: Task) -> list[int]:
         """The chat-templated prompt (system + user question + assistant header)."""
         return prompt_ids(self.tokenizer, self.env.system_prompt, task.question)

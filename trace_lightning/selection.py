@@ -9,10 +9,17 @@ same few and only ever gets labels for what it picked (measured at 85f38aa: belo
   candidate once per pass before any task is a candidate again;
 * `max_visits` within `visit_window` iterations: a prompt that trained that often lately is not a
   candidate (the pool is filled with others while enough remain);
-* a calibration gate (`gate_auroc`): the predictor steers only while its out-of-sample AUROC for
-  "this prompt's bare rollouts were mixed" over the last `gate_window` iterations is at least the
-  threshold; otherwise every candidate gets v = 0.5, which makes Stage 1 uniform (groups of
-  `min_group` over a random pool);
+* an unbiased slice (`explore_groups`): that many groups of `explore_size` bare rollouts go to
+  candidates drawn uniformly from the pool before Stage 1 splits the rest. They train like any group,
+  and their outcomes are labels the predictor did not choose: the only ones on which its skill can be
+  measured (on the prompts it picks, every prediction sits near 0.5, and an oracle scores no better
+  than a constant there: issue 20);
+* a skill gate (`gate_skill`): the predictor steers only while the Brier skill of its predictions on
+  the slice's outcomes over the last `gate_window` iterations is at least the threshold, the skill
+  being measured against the base rate known when they were made (the share of successes among the
+  bare rollouts of the `gate_window` iterations before; `gauges.skill_against`): both forecasts are
+  out of sample. Otherwise every candidate gets v = 0.5, which makes Stage 1 uniform (groups of
+  `min_group` over a random pool). An oracle scores well above 0, that base rate exactly 0;
 * `thompson`: the program runs on a sample v_i ~ Beta(a_i, b_i) of each candidate's success rate,
   where the per-prompt decayed Beta counts (`BetaPrior`) are combined with the predictor's estimate
   p_i worth `predictor_strength` pseudo-observations (only while the gate is open):
@@ -26,23 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torchmetrics.functional.classification import binary_auroc
 
 from trace_lightning.allocation import BetaPrior
+from trace_lightning.gauges import skill_against
 from trace_lightning.tree import SUCCESS, RolloutTree
-
-
-def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """P(score of a random positive > score of a random negative), ties counted half; NaN unless both
-    classes occur (torchmetrics' AUROC is undefined there).
-
-    Example: scores [0.1, 0.4, 0.35, 0.8], labels [0, 0, 1, 1] -> 3 of 4 pairs ordered = 0.75.
-    """
-    labels = np.asarray(labels) > 0
-    if labels.all() or not labels.any():
-        return float("nan")
-    return float(binary_auroc(torch.as_tensor(scores, dtype=torch.float64), torch.as_tensor(labels).long()))
 
 
 def bare_outcomes(tree: RolloutTree) -> np.ndarray:
@@ -59,9 +53,9 @@ class RootQuality:
     predictions were made before these outcomes were seen)."""
 
     pool_spread: float  # std of the predictions over the candidate pool
-    auroc_mixed: float  # AUROC of p(1 - p) for "the prompt's bare rollouts were mixed" (NaN: one class)
+    slice_skill: float  # Brier skill on this iteration's unbiased slice (NaN: no slice, or one outcome)
     gate_open: bool  # whether the predictor steered this iteration's Stage 1
-    gate_auroc: float  # the windowed AUROC the gate decided on (NaN before enough samples)
+    gate_skill: float  # the windowed skill the gate decided on (NaN before enough samples)
 
 
 @dataclass
@@ -70,14 +64,19 @@ class Selection:
 
     thompson: bool = False  # run the V_root program on posterior samples
     predictor_strength: float = 8.0  # pseudo-observations the predictor's estimate is worth in them
-    gate_auroc: float | None = None  # predictions steer only while their recent AUROC is >= this
+    explore_groups: int = 0  # groups on uniformly drawn candidates each iteration (the unbiased slice)
+    explore_size: int = 2  # bare rollouts per slice group
+    gate_skill: float | None = None  # predictions steer only while their slice skill is >= this
     gate_window: int = 4  # iterations of evidence for the gate
-    gate_min_samples: int = 8  # roots needed before the gate can open
+    gate_min_samples: int = 8  # slice outcomes needed before the gate can open
     epoch_pools: bool = False  # candidate pools from shuffled passes over all tasks
     max_visits: int | None = None  # trainings a prompt may have within visit_window iterations
     visit_window: int = 8
     visits: dict[int, list[int]] = field(default_factory=dict)  # task_id -> iterations it trained in
-    history: list[tuple[int, list[float], list[float]]] = field(default_factory=list)  # (it, p(1-p), mixed)
+    # (iteration, prediction, base rate then, successes, rollouts) of each slice candidate, last gate_window
+    history: list[tuple[int, float, float, float, float]] = field(default_factory=list)
+    outcomes: list[tuple[int, float, float]] = field(default_factory=list)  # (it, successes, rollouts), all
+
     order: list[int] = field(default_factory=list)  # epoch_pools: the current pass, not yet drawn
 
     def __post_init__(self) -> None:
@@ -86,8 +85,21 @@ class Selection:
                 f"selection.predictor_strength={self.predictor_strength} must be >= 0, selection."
                 f"gate_window={self.gate_window} and selection.visit_window={self.visit_window} >= 1"
             )
-        if self.gate_auroc is not None and not 0.0 <= self.gate_auroc <= 1.0:
-            raise ValueError(f"selection.gate_auroc={self.gate_auroc} must be in [0, 1], or null for no gate")
+        if self.explore_groups < 0 or self.explore_size < 2:
+            raise ValueError(
+                f"selection.explore_groups={self.explore_groups} must be >= 0 and selection.explore_size="
+                f"{self.explore_size} >= 2 (a group of one is never mixed)"
+            )
+        if self.gate_skill is not None and not -1.0 <= self.gate_skill < 1.0:
+            raise ValueError(
+                f"selection.gate_skill={self.gate_skill} must be in [-1, 1) (0: better than the base rate), "
+                "or null for no gate"
+            )
+        if self.gate_skill is not None and self.explore_groups == 0:
+            raise ValueError(
+                "selection.gate_skill needs outcomes the predictor did not choose: set "
+                "selection.explore_groups > 0, or selection.gate_skill=null"
+            )
         if self.max_visits is not None and self.max_visits < 1:
             raise ValueError(f"selection.max_visits={self.max_visits} must be >= 1, or null for no cap")
 
@@ -130,14 +142,23 @@ class Selection:
 
     # ------------------------------------------------------------------ estimates
 
+    def explore(self, pool_size: int, rng: np.random.Generator) -> np.ndarray:
+        """Bare rollouts reserved for the unbiased slice [P]: `explore_groups` candidates drawn uniformly,
+        `explore_size` each (zeros when there is no slice; the draw uses `rng` only then)."""
+        reserved = np.zeros(pool_size, dtype=np.int64)
+        if self.explore_groups:
+            reserved[rng.choice(pool_size, size=min(self.explore_groups, pool_size), replace=False)] = (
+                self.explore_size
+            )
+        return reserved
+
     def gate(self) -> tuple[bool, float]:
-        """(predictions may steer, the windowed AUROC behind that decision)."""
-        scores = np.array([s for _, ss, _ in self.history for s in ss])
-        mixed = np.array([m for _, _, ms in self.history for m in ms])
-        value = auroc(scores, mixed) if len(mixed) >= self.gate_min_samples else float("nan")
-        if self.gate_auroc is None:
+        """(predictions may steer, the windowed slice skill behind that decision)."""
+        p, ref, s, n = (np.array([h[i] for h in self.history]) for i in (1, 2, 3, 4))
+        value = skill_against(p, ref, s, n) if n.sum() >= self.gate_min_samples else float("nan")
+        if self.gate_skill is None:
             return True, value
-        return bool(np.isfinite(value) and value >= self.gate_auroc), value
+        return bool(np.isfinite(value) and value >= self.gate_skill), value
 
     def estimates(
         self, predicted: np.ndarray, task_ids: Sequence[int], prior: BetaPrior, rng: np.random.Generator
@@ -152,42 +173,52 @@ class Selection:
 
     # ------------------------------------------------------------------ after the rollouts
 
+    def base_rate(self) -> float:
+        """The share of successes among the bare rollouts of the last `gate_window` iterations (0.5
+        before any): the constant forecast the gate's skill is measured against."""
+        wins, n = sum(o[1] for o in self.outcomes), sum(o[2] for o in self.outcomes)
+        return wins / n if n else 0.5
+
     def observe(
-        self, iteration: int, trees: Sequence[RolloutTree], pool_predicted: np.ndarray
+        self, iteration: int, trees: Sequence[RolloutTree], pool_predicted: np.ndarray, slice_ids: set[int]
     ) -> RootQuality:
-        """Record visits and the gate's evidence; how the raw root predictions fared (out of sample)."""
+        """Record visits and the gate's evidence (the slice's predictions, made before its outcomes, and
+        the base rate known then); how the root predictions fared."""
         steer, gate_value = self.gate()
-        scores, mixed = [], []
+        base, new = self.base_rate(), []
         for tree in trees:
             self.visits.setdefault(tree.task_id, []).append(iteration)
-            outcomes, p = bare_outcomes(tree), float(tree.root.predicted)  # type: ignore[arg-type]
-            if len(outcomes) >= 2:
-                scores.append(p * (1.0 - p))
-                mixed.append(float(0 < outcomes.sum() < len(outcomes)))
-        self.history = [h for h in self.history if h[0] > iteration - self.gate_window] + [
-            (iteration, scores, mixed)
-        ]
+            outcomes = bare_outcomes(tree)
+            if tree.task_id in slice_ids and len(outcomes):
+                pred = float(tree.root.predicted)  # type: ignore[arg-type]
+                new.append((iteration, pred, base, float(outcomes.sum()), float(len(outcomes))))
+        wins = [bare_outcomes(t) for t in trees]
+        self.outcomes = [o for o in self.outcomes if o[0] > iteration - self.gate_window]
+        total = (float(sum(w.sum() for w in wins)), float(sum(len(w) for w in wins)))
+        self.outcomes.append((iteration, *total))
+        self.history = [h for h in self.history if h[0] > iteration - self.gate_window] + new
         self.visits = {
             t: [i for i in its if i > iteration - self.visit_window] for t, its in self.visits.items()
         }
         self.visits = {t: its for t, its in self.visits.items() if its}
+        p, ref, s, n = (np.array([h[i] for h in new]) for i in (1, 2, 3, 4))
         return RootQuality(
             pool_spread=float(np.std(pool_predicted)) if len(pool_predicted) else float("nan"),
-            auroc_mixed=auroc(np.array(scores), np.array(mixed)),
+            slice_skill=skill_against(p, ref, s, n) if len(new) else float("nan"),
             gate_open=steer,
-            gate_auroc=gate_value,
+            gate_skill=gate_value,
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "visits": {str(t): list(v) for t, v in self.visits.items()},
-            "history": [[i, list(s), list(m)] for i, s, m in self.history],
+            "history": [list(h) for h in self.history],
+            "outcomes": [list(o) for o in self.outcomes],
             "order": list(self.order),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
-        self.history = [
-            (int(i), [float(x) for x in s], [float(x) for x in m]) for i, s, m in state["history"]
-        ]
+        self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in state["history"]]  # type: ignore[misc]
+        self.outcomes = [(int(i), float(s), float(n)) for i, s, n in state.get("outcomes", [])]
         self.order = [int(t) for t in state["order"]]

@@ -48,7 +48,7 @@ class Completion:
 
 @dataclass
 class EngineStats:
-    """Counters an engine accumulates; callers read and reset them once per iteration."""
+    """Counters an engine accumulates; callers take them once per iteration (`take_stats`)."""
 
     generated_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens actually run through the model
@@ -70,8 +70,18 @@ class GenerationEngine(Protocol):
         generation phase whenever the policy changed since the last sync."""
         ...
 
-    # Optional: `sleep()` frees accelerator memory for training after a generation phase; the next
-    # `sync_weights` or `generate` wakes the engine. Engines that hold no such memory may omit it.
+    def sleep(self) -> None:
+        """Free accelerator memory for training after a generation phase; the next `sync_weights` or
+        `generate` wakes the engine. A no-op for engines that hold no such memory."""
+        ...
+
+    def close(self) -> None:
+        """Release everything the engine holds (a vLLM engine its memory and process group)."""
+        ...
+
+    def take_stats(self) -> EngineStats:
+        """The counters since the last call, which start again from zero."""
+        ...
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -79,6 +79,13 @@ class HFEngine:
     def sleep(self) -> None:
         """Nothing to free: the weights are the trainer's own."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def take_stats(self) -> EngineStats:
+        stats, self.stats = self.stats, EngineStats()
+        return stats
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("HFEngine.generate: every prompt needs at least one token")

@@ -273,6 +273,10 @@ class VLLMEngine:
     def close(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)
 
+    def take_stats(self) -> EngineStats:
+        stats, self.stats = self.stats, EngineStats()
+        return stats
+
 
 def _generation_group(tensor_parallel_size: int) -> GenerationGroup:
     """This engine's generation group: itself alone, or the tensor-parallel group vLLM has just built
