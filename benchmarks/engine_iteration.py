@@ -40,6 +40,7 @@ from hydra.utils import instantiate
 
 from trace_lightning import config
 from trace_lightning import trainer as cli
+from trace_lightning.engines.vllm import _quiet_partial_reload
 from trace_lightning.runner import ReActRunner
 
 ENGINES = ("hf", "vllm")
@@ -117,6 +118,7 @@ def time_refit(collector: Any, clock: PhaseClock) -> None:
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """The timed iterations of each engine, and the vLLM engine's sync split."""
     cfg = job_config(args, run_dir)
     module, data, _ = cli.build(cfg)
     collector, clock = data.collector, PhaseClock()
@@ -143,7 +145,23 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             rows[name].append(timed_iteration(arms[name], module, optimizer, collector, clock))
             total, tokens = rows[name][-1]["total"], rows[name][-1]["generated_tokens"]
             print(f"  rep {rep} {name:4s}: {total:6.1f} s, {tokens} tokens", flush=True)
-    return rows
+    vllm = arms["vllm"].runner.engine.inner
+    return {"rows": rows, "sync": sync_split(vllm, 3) if vllm.is_lora and vllm.lora_sync == "merged" else {}}
+
+
+def sync_split(engine: Any, reps: int) -> dict[str, list[float]]:
+    """Seconds to push the merged policy into vLLM: every weight (what each sync did before issue 21)
+    against the modules that hold LoRA layers only (what a sync after the first does now), alternating."""
+    seconds: dict[str, list[float]] = {"all_weights": [], "adapted_only": []}
+    for rep in range(reps):
+        for name in ("all_weights", "adapted_only") if rep % 2 == 0 else ("adapted_only", "all_weights"):
+            start, engine.last_sync_tensors = time.perf_counter(), 0
+            weights = engine._full_weights(adapted_only=name == "adapted_only")
+            with _quiet_partial_reload():
+                engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            seconds[name].append(time.perf_counter() - start)
+            seconds[f"{name}_tensors"] = [engine.last_sync_tensors]
+    return seconds
 
 
 def summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
@@ -152,11 +170,13 @@ def summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
         phases = its[0]["seconds"].keys()
         out[name] = {
             "seconds_per_iteration": float(np.mean([it["total"] for it in its])),
+            "median_seconds": float(np.median([it["total"] for it in its])),
             "phases": {p: float(np.mean([it["seconds"][p] for it in its])) for p in phases},
             "generated_tokens": float(np.mean([it["generated_tokens"] for it in its])),
             "turns": float(np.mean([it["turns"] for it in its])),
         }
     out["vllm_over_hf"] = out["vllm"]["seconds_per_iteration"] / out["hf"]["seconds_per_iteration"]
+    out["vllm_over_hf_median"] = out["vllm"]["median_seconds"] / out["hf"]["median_seconds"]
     return out
 
 
@@ -168,6 +188,16 @@ def print_table(result: dict[str, Any]) -> None:
         vl = result["vllm"]["phases"].get(p, result["vllm"]["seconds_per_iteration"])
         ratio = f"{vl / hf:8.2f}" if hf > 0 else f"{'-':>8s}"
         print(f"{p:14s} {hf:8.2f} {vl:8.2f} {ratio}")
+    for name in ("hf", "vllm"):
+        its = [f"{it['total']:.1f}" for it in result["iterations"][name]]
+        print(f"{name} iterations (s): {', '.join(its)}; median {result[name]['median_seconds']:.1f}")
+    split = result["sync_split"]
+    if split:
+        print(
+            f"vLLM sync, merged LoRA: all weights {np.mean(split['all_weights']):.2f} s "
+            f"({split['all_weights_tensors'][0]} tensors), adapted modules only "
+            f"{np.mean(split['adapted_only']):.2f} s ({split['adapted_only_tensors'][0]} tensors)"
+        )
     ratio, verdict = result["vllm_over_hf"], "PASS" if result["vllm_over_hf"] <= TARGET else "MISS"
     print(f"vLLM / transformers iteration time: {ratio:.2f}x (target <= {TARGET}: {verdict})")
 
@@ -184,12 +214,13 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(args, Path(tmp) / "run")
+        measured = run(args, Path(tmp) / "run")
     result = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        **summary(rows),
-        "iterations": rows,
+        **summary(measured["rows"]),
+        "iterations": measured["rows"],
+        "sync_split": measured["sync"],
         "peak_rss_gib": peak_rss_gib(),
         "wall_seconds": time.perf_counter() - start,
     }

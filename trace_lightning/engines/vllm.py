@@ -218,9 +218,9 @@ class VLLMEngine:
         if self.is_lora and self.lora_sync == "adapter":
             self._push_adapter()
         else:
-            self.last_sync_tensors = 0
-            weights = self._full_weights(adapted_only=self._version > 0)
-            with _quiet_partial_reload():
+            self.last_sync_tensors, partial = 0, self.is_lora and self._version > 0
+            weights = self._full_weights(adapted_only=partial)
+            with _quiet_partial_reload() if partial else contextlib.nullcontext():
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self._version += 1
         self.llm.reset_prefix_cache()
@@ -230,9 +230,9 @@ class VLLMEngine:
         """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them.
 
         `adapted_only` (LoRA, every sync after the first): only the modules that hold a LoRA layer, whole
-        (issue 21: the frozen rest, three quarters of SmolLM2's weights with attention-only LoRA, never
-        changes, and pushing it again cost most of a sync). Whole, because vLLM fuses sibling projections
-        (q/k/v into one qkv_proj) and rebuilds a fused layer only from all of its parts."""
+        (issue 21: the frozen rest, four fifths of SmolLM2's weights with the default attention-only LoRA,
+        never changes). Whole, because vLLM fuses sibling projections (q/k/v into one qkv_proj) and
+        rebuilds a fused layer only from all of its parts."""
         if self.is_lora:
             weights = _merged_lora_weights(self.policy, adapted_only)
         else:
@@ -320,17 +320,26 @@ def _merged_lora_weights(policy: Any, adapted_only: bool = False) -> Iterator[tu
         yield plain, tensor + deltas[plain] if plain in deltas else tensor
 
 
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+
+
 @contextlib.contextmanager
 def _quiet_partial_reload() -> Iterator[None]:
-    """vLLM warns "Failed to load weights" for every layer a reload does not send, and keeps its current
-    weights; after a partial push (`adapted_only`) that is expected, so those warnings are dropped."""
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """vLLM warns about every layer a reload does not send ("Failed to load weights", then the list of
+    weights "not loaded from checkpoint") and keeps its current weights; after a partial push
+    (`adapted_only`) that is what should happen, so those warnings are dropped."""
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _checkpoint_name(name: str) -> str:
