@@ -72,6 +72,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_callback_restores_the_signal_handlers_and_its_watchdog_ends(tmp_path):
+    """Installed for a fit (here without a process group) and removed at teardown: the handlers and the
+    wakeup descriptor are what they were, and the watchdog thread has ended."""
+    import threading
+
+    from trace_lightning.stopping import StopOnSignal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopOnSignal(str(tmp_path), deadline_seconds=5)
+    stop.on_train_start(None, None)
+    watchdog = next(t for t in threading.enumerate() if t.name == "stop-on-signal")
+    assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+    stop.teardown(None, None, "fit")
+    watchdog.join(timeout=5)
+    assert not watchdog.is_alive()
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert signal.set_wakeup_fd(-1) == -1  # nothing was left registered
+    with pytest.raises(ValueError, match=r"callbacks.stop.deadline_seconds=0"):
+        StopOnSignal(str(tmp_path), deadline_seconds=0)
+
+
 def test_sigterm_ends_both_processes_of_a_stuck_group_within_the_deadline(tmp_path):
     """Rank 1 hangs outside any collective and rank 0 waits in an all-reduce for it, its main thread inside
     gloo where no Python signal handler can run. SIGTERM to rank 0 alone: rank 0's watchdog forwards it to

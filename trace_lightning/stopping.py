@@ -113,14 +113,18 @@ class StopOnSignal(L.Callback):
         for signum, handler in handlers.items():  # unless Lightning has restored its own originals already
             if signal.getsignal(signum) is _note:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        self._previous = None  # the watchdog keeps waiting on a socket nothing writes to any more
+        if self._sockets is not None:
+            self._sockets[1].close()  # the watchdog reads end-of-file and ends
+        self._previous, self._sockets = None, None
 
     def _watch(self, reader: socket.socket) -> None:
-        """The watchdog thread: wakes on every signal byte; the first stop signal starts the deadline."""
-        while True:
-            for signum in reader.recv(64):
-                if signum in STOP_SIGNALS and not self.signum:
-                    self._requested(signum)
+        """The watchdog thread: wakes on every signal byte; the first stop signal starts the deadline.
+        It ends when the handler's end is closed (`_uninstall`)."""
+        with reader:
+            while data := reader.recv(64):
+                for signum in data:
+                    if signum in STOP_SIGNALS and not self.signum:
+                        self._requested(signum)
 
     def _requested(self, signum: int) -> None:
         self.signum = signum
