@@ -188,8 +188,9 @@ def test_engine_throughput_benchmark_quick_mode(tmp_path):
 
 
 def test_two_process_ddp_with_one_vllm_engine_per_process(tmp_path):
-    """Each DDP process keeps its own colocated engine (vLLM joins the process group as a data-parallel
-    rank), both make the same allocation, and each engine stays in sync with the trained policy."""
+    """Each DDP process keeps its own colocated engine (vLLM's external launcher on the training process
+    group, no vLLM data parallelism: tests/test_colocated.py), both make the same allocation, and each
+    engine stays in sync with the trained policy."""
     overrides = ["engine=vllm", "budget.leaves=12", "data.pool_size=8", "trainer.max_epochs=2"]
     zero, one = run_ddp_worker(tmp_path, *overrides)
     for a, b in zip(zero, one, strict=True):
