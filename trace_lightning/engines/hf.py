@@ -89,6 +89,8 @@ class HFEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("HFEngine.generate: every prompt needs at least one token")
+        if not prompts:  # the runner's turn with nothing left to sample
+            return []
         self.stats.calls += 1
         out: list[Completion | None] = [None] * len(prompts)
         was_training = self.model.training

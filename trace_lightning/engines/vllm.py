@@ -29,6 +29,7 @@ without it. What it adds to plain `LLM.generate`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from trace_lightning.engines.base import Completion, EngineStats, FinishReason, SamplingParams, eos_ids
+from trace_lightning.engines.colocate import GenerationGroup, colocated_launch
 
 # In-process engine: weight sync passes tensors to the worker by reference, which needs the engine core
 # in this process. The CPU KV cache is sized in GiB by an environment variable. vLLM's own logging
@@ -99,6 +101,7 @@ class VLLMEngine:
         sleep_mode: bool | None = None,
         seed: int = 0,
         scratch_dir: str | None = None,
+        tensor_parallel_size: int = 1,
         **llm_kwargs: Any,
     ) -> None:
         if lora_sync not in ("auto", "adapter", "merged"):
@@ -131,12 +134,7 @@ class VLLMEngine:
             # evaluation episodes of search_qa) raised "CPU Generator does not use offset". Unchunked,
             # every prompt is prefilled whole.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # One engine per training process (DDP/FSDP), each generating its own prompts: vLLM must
-            # join the launcher's process group as data-parallel ranks instead of starting its own.
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
-            llm_kwargs.setdefault("data_parallel_size", torch.distributed.get_world_size())
-            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))  # Lightning does not set it
+        llm_kwargs.update(colocated_launch(tensor_parallel_size, on_gpu))
         self.llm = vllm.LLM(
             model=path,
             tokenizer=path,
@@ -150,9 +148,11 @@ class VLLMEngine:
         )
         # Again, now the engine exists: vLLM may configure its logger again while it starts.
         route_logger_to_run_log("vllm")
+        self.group = _generation_group(tensor_parallel_size)
         self._vllm = vllm
         self._asleep: str | None = None  # None (awake), "all", or "kv_cache" (weights already back)
         self._version = 0  # weight versions pushed so far; a LoRA adapter's id is its version (from 1)
+        self.last_sync_tensors = 0  # tensors the last full-weight sync pushed
         self._lora: Any | None = None
         self._scratch = Path(scratch_dir or tempfile.mkdtemp(prefix="trace_lightning_lora_"))
         if adapter_served:
@@ -161,26 +161,38 @@ class VLLMEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
-
+        """One completion per prompt. With tensor parallelism every member of the group must call this in
+        the same round (with an empty list when it has nothing to sample; see `any_busy`): the group's
+        prompts and seeds are gathered, all members run the same requests, and each keeps its own."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("VLLMEngine.generate: every prompt needs at least one token")
+        if not prompts and self.group.size == 1:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # from the DataModule-owned stream
+        everyone, mine = self.group.gather([list(p) for p in prompts], seeds)
+        if not everyone:
+            return []
         self._wake()
         self.stats.calls += 1
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # from the DataModule-owned stream
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(
-            requests, [self._sampling(params, s) for s in seeds], lora_request=self._lora, use_tqdm=False
-        )
+        requests = [TokensPrompt(prompt_token_ids=p) for p, _ in everyone]
+        sampling = [self._sampling(params, s) for _, s in everyone]
+        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)[mine]
         completions = []
         for prompt, out in zip(prompts, outputs, strict=True):
-            sample = out.outputs[0]
             cached = int(out.num_cached_tokens or 0)
             self.stats.prefill_tokens += len(prompt) - cached
             self.stats.reused_prefill_tokens += cached
-            completions.append(_completion(sample))
+            completions.append(_completion(out.outputs[0]))
         self.stats.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
+
+    def any_busy(self, busy: bool) -> bool:
+        """Whether any process of this engine's generation group still has episodes to play (`busy` is
+        this one's answer). The runner plays another round while it is true, so that every member calls
+        `generate` equally often; an engine of its own (tensor parallel size 1) just returns `busy`."""
+        return self.group.any(busy)
 
     def _sampling(self, params: SamplingParams, seed: int) -> Any:
         # Every field that shapes the distribution is explicit: plain temperature/top-p sampling, as in
@@ -211,14 +223,27 @@ class VLLMEngine:
         if self.is_lora and self.lora_sync == "adapter":
             self._push_adapter()
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._full_weights()})
+            self.last_sync_tensors, partial = 0, self.is_lora and self._version > 0
+            weights = self._full_weights(adapted_only=partial)
+            with _quiet_partial_reload() if partial else contextlib.nullcontext():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self._version += 1
         self.llm.reset_prefix_cache()
         self._wake()
 
-    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them."""
-        weights = self.policy.state_dict().items() if not self.is_lora else _merged_lora_weights(self.policy)
+    def _full_weights(self, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them.
+
+        `adapted_only` (LoRA, every sync after the first): only the modules that hold a LoRA layer, whole
+        (issue 21: the frozen rest, four fifths of SmolLM2's weights with the default attention-only LoRA,
+        never changes). Whole, because vLLM fuses sibling projections (q/k/v into one qkv_proj) and
+        rebuilds a fused layer only from all of its parts."""
+        if self.is_lora:
+            weights = _merged_lora_weights(self.policy, adapted_only)
+        else:
+            weights = iter(self.policy.state_dict().items())
         for name, tensor in weights:
+            self.last_sync_tensors += 1
             yield _checkpoint_name(name), tensor.detach()
 
     def _push_adapter(self) -> None:
@@ -258,6 +283,17 @@ class VLLMEngine:
         return stats
 
 
+def _generation_group(tensor_parallel_size: int) -> GenerationGroup:
+    """This engine's generation group: itself alone, or the tensor-parallel group vLLM has just built
+    over the training processes (its gloo side, `cpu_group`)."""
+    if tensor_parallel_size == 1:
+        return GenerationGroup()
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return GenerationGroup(tp.cpu_group, tp.world_size, tp.rank_in_group)
+
+
 def _completion(sample: Any) -> Completion:
     tokens = list(sample.token_ids)
     logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True)]
@@ -271,8 +307,9 @@ def _completion(sample: Any) -> Completion:
     return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason)
 
 
-def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Base weights with every LoRA layer's delta added, under the base model's checkpoint names."""
+def _merged_lora_weights(policy: Any, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Base weights with every LoRA layer's delta added, under the base model's checkpoint names; with
+    `adapted_only`, only the weights of modules that hold a LoRA layer (e.g. every `self_attn`)."""
     base = policy.get_base_model()
     adapter = policy.active_adapter
     deltas = {
@@ -280,12 +317,34 @@ def _merged_lora_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, module in base.named_modules()
         if hasattr(module, "get_delta_weight") and adapter in getattr(module, "lora_A", {})
     }
+    parents = {key.rsplit(".", 2)[0] for key in deltas}  # "...self_attn.q_proj.weight" -> "...self_attn"
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
         plain = name.replace(".base_layer.", ".")
-        merged = tensor + deltas[plain] if plain in deltas else tensor
-        yield plain, merged
+        if ".lora_" in name or (adapted_only and plain.rsplit(".", 2)[0] not in parents):
+            continue
+        yield plain, tensor + deltas[plain] if plain in deltas else tensor
+
+
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    """vLLM warns about every layer a reload does not send ("Failed to load weights", then the list of
+    weights "not loaded from checkpoint") and keeps its current weights; after a partial push
+    (`adapted_only`) that is what should happen, so those warnings are dropped."""
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _checkpoint_name(name: str) -> str:
