@@ -33,7 +33,7 @@ from trace_lightning import config
 from trace_lightning.demos import Demonstration, demonstrations
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
-from trace_lightning.runner import observation_ids, prompt_ids
+from trace_lightning.runner import observation_ids, prompt_ids, task_prompt_ids
 
 MARKER = "warm_start.json"  # written last into the folder: what was trained, on what
 IGNORE = -100  # label of a token the loss skips (prompt, observation, padding)
@@ -45,12 +45,22 @@ class Example:
     labels: list[int]  # the token itself where the policy wrote it, IGNORE elsewhere
 
 
-def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration) -> Example:
-    """The demonstration as the runner would have tokenised the episode, turns trainable."""
-    ids = prompt_ids(tokenizer, system_prompt, demo.task.question)
+def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration, env: Any | None = None) -> Example:
+    """The demonstration as the runner would have tokenised the episode, turns trainable.
+
+    With `env`, the prompt is the environment's own (`runner.task_prompt_ids`), and an action that ends
+    with none of its stop strings (a bfcl reply) ends with EOS, trained too: the engine stops a turn
+    there, so the policy must learn to end a reply."""
+    if env is None:
+        ids = prompt_ids(tokenizer, system_prompt, demo.task.question)
+    else:
+        ids = task_prompt_ids(tokenizer, env, demo.task)
     labels = [IGNORE] * len(ids)
+    stops = tuple(env.stop_strings) if env is not None else ()
     for i, action in enumerate(demo.actions):
         action_ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
+        if stops and not action.rstrip().endswith(stops):
+            action_ids.append(tokenizer.eos_token_id)
         ids, labels = ids + action_ids, labels + action_ids
         if i < len(demo.observations):
             obs = observation_ids(tokenizer, demo.observations[i], action_ids)
@@ -139,7 +149,7 @@ def run(cfg: DictConfig) -> Path:
     module = WarmStartModule(
         policy_path(cfg.model), instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr
     )
-    examples = [to_example(module.tokenizer, env.system_prompt, d) for d in demos]
+    examples = [to_example(module.tokenizer, env.system_prompt, d, env=env) for d in demos]
     pad = module.tokenizer.pad_token_id
     loader = DataLoader(
         examples, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: collate(b, pad)
