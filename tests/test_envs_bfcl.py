@@ -456,3 +456,39 @@ def test_runner_plays_a_conversation_and_a_continuation_restores_its_prefix():
     )
     assert tree.env_states[1].calls == (Call.make("get_stock_info", {"symbol": "NVDA"}),)
     assert call_text(Call.make("ls", {"a": True})) == call("ls", a=True)
+
+
+# --------------------------------------------------------------------------------------- warm start
+
+
+def test_warm_start_examples_train_every_call_and_end_each_reply_with_eos():
+    from trace_lightning.demos import bfcl_demo
+    from trace_lightning.models import build_tiny_tokenizer
+    from trace_lightning.warmstart import IGNORE, select_examples, to_example
+
+    tok = build_tiny_tokenizer()
+    env = BFCLEnv("base", max_doc_chars=5000)
+    task = next(t for t in env.tasks() if t.task_id == 100)
+    demo = bfcl_demo(env, task)
+    assert demo.actions == (
+        call("get_stock_info", symbol="NVDA"),
+        "Done.",
+        call("fund_account", amount=2203.4),
+        "Done.",
+    )
+    example = to_example(tok, env.system_prompt, demo, env=env)
+    prompt = env.prompt_ids(task, tok)
+    assert example.input_ids[: len(prompt)] == prompt and set(example.labels[: len(prompt)]) == {IGNORE}
+    trained = [i for i, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE]
+    # the two calls, then each reply followed by EOS (the engine stops a reply there); observations masked
+    expected = []
+    for action in demo.actions:
+        expected += tok(action, add_special_tokens=False)["input_ids"]
+        if not action.endswith("</tool_call>"):
+            expected.append(tok.eos_token_id)
+    assert trained == expected and trained.count(tok.eos_token_id) == 2
+    longer = bfcl_demo(env, next(t for t in env.tasks() if t.task_id == 11))
+    sizes = [len(to_example(tok, "", d, env=env).input_ids) for d in (demo, longer)]
+    kept = select_examples(tok, env, [demo, longer], min(sizes), None)  # the token cap keeps the shorter
+    assert [len(e.input_ids) for e in kept] == [min(sizes)]
+    assert len(select_examples(tok, env, [demo, longer], None, 1)) == 1

@@ -68,6 +68,18 @@ def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration, env: Any
     return Example(ids, labels)
 
 
+def select_examples(
+    tokenizer: Any, env: Any, demos: Sequence[Demonstration], max_tokens: int | None, max_demos: int | None
+) -> list[Example]:
+    """The demonstrations as examples, in order: those of at most `max_tokens` tokens (all when None),
+    then the first `max_demos` of them (all when None). A token cap keeps a CPU warm start affordable
+    where demonstrations run long (a bfcl conversation with its function docs: 1-5k tokens)."""
+    examples = [to_example(tokenizer, env.system_prompt, d, env=env) for d in demos]
+    if max_tokens is not None:
+        examples = [e for e in examples if len(e.input_ids) <= max_tokens]
+    return examples[:max_demos]
+
+
 def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels [B, T]."""
     width = max(len(e.input_ids) for e in examples)
@@ -142,26 +154,27 @@ def run(cfg: DictConfig) -> Path:
     env = instantiate(cfg.env)
     train_ids, held = split_tasks([t.task_id for t in env.tasks()], cfg.held_out, cfg.seed)
     demos, missing = demonstrations(env, train_ids)
-    if cfg.max_demos is not None:
-        demos = demos[: cfg.max_demos]
     if not demos:
         raise ValueError(f"env={env.name}: no demonstration replays to reward 1 on the training tasks")
     module = WarmStartModule(
         policy_path(cfg.model), instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr
     )
-    examples = [to_example(module.tokenizer, env.system_prompt, d, env=env) for d in demos]
+    examples = select_examples(module.tokenizer, env, demos, cfg.max_demo_tokens, cfg.max_demos)
+    if not examples:
+        raise ValueError(f"max_demo_tokens={cfg.max_demo_tokens} leaves no demonstration: raise it, or null")
     pad = module.tokenizer.pad_token_id
     loader = DataLoader(
         examples, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: collate(b, pad)
     )
-    logger = _logger(cfg, env.name, len(demos), missing, sorted(held))
+    logger = _logger(cfg, env.name, len(examples), missing, sorted(held))
     trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False)
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     record = {
         "env": env.name,
-        "demonstrations": len(demos),
+        "demonstrations": len(examples),
         "tasks_without_demonstration": missing,
+        "max_demo_tokens": cfg.max_demo_tokens,
         "held_out_task_ids": sorted(held),
         "epochs": cfg.trainer.max_epochs,
         "seconds": round(time.perf_counter() - start, 1),
@@ -169,7 +182,7 @@ def run(cfg: DictConfig) -> Path:
     }
     out = module.save(Path(cfg.out_dir), record)
     if trainer.is_global_zero:
-        print(f"\nwarm start: {len(demos)} demonstrations ({missing} training tasks had none), {record}")
+        print(f"\nwarm start: {len(examples)} demonstrations ({missing} training tasks had none), {record}")
         print(f"  train on it: python -m trace_lightning.trainer model.warm_start={out.resolve()}")
     return out
 
