@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -34,13 +35,13 @@ import numpy as np
 import torch
 from common import peak_rss_gib
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trace_lightning import config, warmstart
 from trace_lightning.allocation import Budget, BudgetLedger
 from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.base import SamplingParams
-from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.envs.bfcl import BFCLEnv
 from trace_lightning.envs.bfcl_data import SUBSETS, Entry
@@ -64,6 +65,7 @@ QUICK = {  # a tiny random model: every step of the protocol in about a minute; 
     "iterations": 1,
     "max_new_tokens": 16,
     "max_turns": 6,
+    "engine": "hf",
 }
 
 
@@ -94,19 +96,34 @@ def prompt_tokens(tokenizer: Any, max_doc_chars: int) -> dict[str, Any]:
     return out
 
 
-def episodes(policy: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples: int, args: Any) -> dict:
-    """`samples` episodes of each entry in `ids` with the transformers engine, sampled as training samples
-    (the `sampling` group's defaults but max_new_tokens) and cut by the same episode limits."""
+def make_engine(args: Any, policy: Any, tokenizer: Any) -> Any:
+    """The run's engine group (`--engine`) on `policy`, synced to its current weights."""
+    engine = instantiate(compose_train(args, "uniform", "unused").engine)(model=policy, tokenizer=tokenizer)
+    engine.sync_weights()  # a vLLM engine loads the folder's weights; the policy may have trained since
+    return engine
+
+
+def release(engine: Any) -> None:
+    if hasattr(engine, "close"):
+        engine.close()
+    gc.collect()
+
+
+def episodes(engine: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples: int, args: Any) -> dict:
+    """`samples` episodes of each entry in `ids`, sampled as training samples (the `sampling` group's
+    defaults but max_new_tokens), cut by the same episode limits, with a torch seed of their own."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     limits = EpisodeLimits(args.max_turns, args.max_episode_tokens)
-    runner = ReActRunner(HFEngine(policy, tokenizer, max_batch_size=16), tokenizer, env, params, limits)
+    runner = ReActRunner(engine, tokenizer, env, params, limits)
     trees = [runner.new_tree(i) for i in ids]
     ledger = BudgetLedger(Budget(len(trees) * samples))
     ledger.reserve_leaves(len(trees) * samples, "bare")
     start, state = time.perf_counter(), torch.get_rng_state()
     torch.manual_seed(1_000_000 + args.seed)
-    runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(args.seed))
-    torch.set_rng_state(state)
+    try:
+        runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(args.seed))
+    finally:
+        torch.set_rng_state(state)
     return summarise(env, trees, time.perf_counter() - start)
 
 
@@ -142,20 +159,27 @@ def _final_state(tree: RolloutTree, leaf: int) -> Any:
     return tree.env_states[node]
 
 
+def eval_env(subset: str, args: Any) -> tuple[BFCLEnv, list[int]]:
+    """The subset's env as the run configures it, and its `--eval-entries` shortest held-out entries."""
+    env = BFCLEnv(subset, max_doc_chars=args.max_doc_chars, max_calls_per_turn=args.max_calls)
+    _, held = split_tasks([t.task_id for t in env.tasks()], env.held_out, args.seed)
+    return env, shortest(env, held, args.eval_entries)
+
+
 def held_out(policy: Any, tokenizer: Any, args: Any, subsets: tuple[str, ...]) -> dict[str, Any]:
-    out = {}
-    for subset in subsets:
-        env = BFCLEnv(subset, max_doc_chars=args.max_doc_chars, max_calls_per_turn=args.max_calls)
-        _, held = split_tasks([t.task_id for t in env.tasks()], env.held_out, args.seed)
-        out[subset] = episodes(
-            policy, tokenizer, env, shortest(env, held, args.eval_entries), args.eval_samples, args
-        )
-        r = out[subset]
-        print(
-            f"  {subset}: success {r['success']:.3f} +-{r['stderr']:.3f}, "
-            f"policy turns {r['policy_turns']:.1f}, calls {r['calls']:.1f}, {r['seconds']:.0f} s",
-            flush=True,
-        )
+    """Held-out success per subset, one engine for all of them (a vLLM engine is not freed in-process)."""
+    engine, out = make_engine(args, policy, tokenizer), {}
+    try:
+        for subset in subsets:
+            env, ids = eval_env(subset, args)
+            out[subset] = r = episodes(engine, tokenizer, env, ids, args.eval_samples, args)
+            print(
+                f"  {subset}: success {r['success']:.3f} +-{r['stderr']:.3f}, "
+                f"policy turns {r['policy_turns']:.1f}, calls {r['calls']:.1f}, {r['seconds']:.0f} s",
+                flush=True,
+            )
+    finally:
+        release(engine)
     return out
 
 
@@ -180,7 +204,7 @@ def compose_train(args: Any, allocator: str, run_dir: str, warm: str | None = No
         f"allocator={allocator}",
         f"run_dir={run_dir}",
         f"seed={args.seed}",
-        "engine=hf",
+        f"engine={args.engine}",
         "logger=none",
         "callbacks=none",  # the Recorder below reads each iteration; no checkpoints or artifacts
         "~callbacks.held_out",  # experiment=bfcl's learning-curve settings: the benchmark evaluates itself
@@ -228,13 +252,20 @@ def run_warm_start(args: Any, tmp: str) -> tuple[Path, dict[str, Any]]:
 class Recorder(L.Callback):
     """One row per iteration: the product's rollout metrics, mixed nodes by depth, seconds; and the trees."""
 
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.trees: list[RolloutTree] = []
+    def __init__(self, args: Any) -> None:
+        self.args, self.rows, self.trees = args, [], []
+        self.after: dict[str, Any] | None = None
         self._last = time.perf_counter()
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last = time.perf_counter()
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Held-out Base success of the trained policy, on the collector's own engine (still up here)."""
+        engine = trainer.datamodule.collector.runner.engine  # type: ignore[attr-defined]
+        engine.sync_weights()
+        env, ids = eval_env("base", self.args)
+        self.after = episodes(engine, module.tokenizer, env, ids, self.args.eval_samples, self.args)
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         report = trainer.datamodule.report  # type: ignore[attr-defined]
@@ -269,19 +300,19 @@ class Recorder(L.Callback):
         )
 
 
-def run_rl(name: str, args: Any, tmp: str, warm: Path, eval_ids: list[int]) -> dict[str, Any]:
+def run_rl(name: str, args: Any, tmp: str, warm: Path) -> dict[str, Any]:
     """`name` allocator from the warm start through the product's loop; held-out Base success after."""
     cfg = compose_train(args, name, f"{tmp}/{name}", str(warm))
     module, data, trainer = build(cfg)
     env = data.collector.env
     data.collector.train_ids = shortest(env, set(data.collector.train_ids), args.train_entries)
-    recorder = Recorder()
+    recorder = Recorder(args)
     trainer.callbacks.append(recorder)
     clock = time.perf_counter()
     trainer.fit(module, datamodule=data)
-    fit_seconds = time.perf_counter() - clock
-    module.policy.eval()
-    after = episodes(module.policy, module.tokenizer, env, eval_ids, args.eval_samples, args)
+    after = recorder.after
+    assert after is not None
+    fit_seconds = time.perf_counter() - clock - after["seconds"]  # the evaluation ran inside fit
     print(f"  {name}: held-out Base success after {after['success']:.3f} +-{after['stderr']:.3f}", flush=True)
     rows = recorder.rows
     leaves = sum(r["leaves"] for r in rows)
@@ -349,6 +380,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64, help="sampling.max_new_tokens")
     p.add_argument("--max-turns", type=int, default=16, help="data.max_turns (policy turns per conversation)")
     p.add_argument("--max-episode-tokens", type=int, default=3072, help="data.max_episode_tokens")
+    p.add_argument(
+        "--engine", default="auto", help="engine group of every episode (auto: vLLM where installed)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bfcl.json"))
@@ -381,8 +415,9 @@ def measure(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     policy.eval()
     print("held-out success after the warm start:", flush=True)
     result["after_warm_start"] = held_out(policy, tokenizer, args, subsets)
-    base_ids = result["after_warm_start"]["base"]["entries"]
-    result["rl"] = {name: run_rl(name, args, tmp, warm, base_ids) for name in args.methods.split(",")}
+    del policy
+    gc.collect()
+    result["rl"] = {name: run_rl(name, args, tmp, warm) for name in args.methods.split(",")}
     png = args.tree_png or args.out.with_name(f"bfcl_tree_{'quick' if args.quick else args.model}.png")
     result["tree_png"] = best_tree(result["rl"].get("trace", {}).get("trees", []), png)
     for run in result["rl"].values():
