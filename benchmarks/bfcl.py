@@ -124,7 +124,14 @@ def episodes(engine: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples:
         runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(args.seed))
     finally:
         torch.set_rng_state(state)
-    return summarise(env, trees, time.perf_counter() - start)
+    out = summarise(env, trees, time.perf_counter() - start)
+    first = trees[0]
+    out["example_turns"] = [  # what the policy wrote in the first episode of the first entry
+        tokenizer.decode(first.nodes[n].action_ids, skip_special_tokens=True)
+        for n in first.path(first.leaves()[0])
+        if n != 0
+    ]
+    return out
 
 
 def summarise(env: BFCLEnv, trees: list[RolloutTree], seconds: float) -> dict[str, Any]:
@@ -236,6 +243,10 @@ def run_warm_start(args: Any, tmp: str) -> tuple[Path, dict[str, Any]]:
         f"max_demos={args.demos}",
         f"max_demo_tokens={args.demo_tokens if args.demo_tokens is not None else 'null'}",
         f"trainer.max_epochs={args.epochs}",
+        # one conversation a step, 4 steps an update (the default's batch of 4): a batch of 4 long
+        # conversations' logits took 13 GB and the machine's OOM killer
+        "batch_size=1",
+        f"++trainer.accumulate_grad_batches={args.accumulate}",
         "++trainer.enable_progress_bar=false",
     ]
     with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
@@ -286,6 +297,8 @@ class Recorder(L.Callback):
                 "root_mixed_per_100": m["rollout/mixed_root_per_100_leaves"],
                 "prefix_mixed_per_100": m["rollout/mixed_prefix_per_100_leaves"],
                 "mixed_depth2_plus": int(sum(sum(d[2:]) for d in by_depth)),
+                "prefill_tokens": m.get("budget/prefill_tokens"),
+                "reused_prefill_tokens": m.get("budget/reused_prefill_tokens"),  # vLLM's prefix cache
                 "sample_seconds": report.sample_seconds,
                 "iteration_seconds": now - self._last,
             }
@@ -370,6 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demos", type=int, default=24, help="warm start: max_demos")
     p.add_argument("--demo-tokens", type=int, default=1600, help="warm start: max_demo_tokens")
     p.add_argument("--epochs", type=int, default=2, help="warm start epochs")
+    p.add_argument("--accumulate", type=int, default=4, help="warm start: conversations per update")
     p.add_argument(
         "--train-entries", type=int, default=16, help="shortest Base training entries RL draws from"
     )
