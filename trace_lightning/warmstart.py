@@ -35,7 +35,7 @@ from trace_lightning.demos import Demonstration, demonstrations
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
 from trace_lightning.run_record import mark_model_training
-from trace_lightning.runner import observation_ids, prompt_ids
+from trace_lightning.runner import observation_ids, prompt_ids, task_prompt_ids
 
 config.register()  # the ${abspath:...} resolver the logger group uses
 
@@ -49,17 +49,39 @@ class Example:
     labels: list[int]  # the token itself where the policy wrote it, IGNORE elsewhere
 
 
-def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration) -> Example:
-    """The demonstration as the runner would have tokenised the episode, turns trainable."""
-    ids = prompt_ids(tokenizer, system_prompt, demo.task.question)
+def to_example(tokenizer: Any, system_prompt: str, demo: Demonstration, env: Any | None = None) -> Example:
+    """The demonstration as the runner would have tokenised the episode, turns trainable.
+
+    With `env`, the prompt is the environment's own (`runner.task_prompt_ids`), and an action that ends
+    with none of its stop strings (a bfcl reply) ends with EOS, trained too: the engine stops a turn
+    there, so the policy must learn to end a reply."""
+    if env is None:
+        ids = prompt_ids(tokenizer, system_prompt, demo.task.question)
+    else:
+        ids = task_prompt_ids(tokenizer, env, demo.task)
     labels = [IGNORE] * len(ids)
+    stops = tuple(env.stop_strings) if env is not None else ()
     for i, action in enumerate(demo.actions):
         action_ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
+        if stops and not action.rstrip().endswith(stops):
+            action_ids.append(tokenizer.eos_token_id)
         ids, labels = ids + action_ids, labels + action_ids
         if i < len(demo.observations):
             obs = observation_ids(tokenizer, demo.observations[i], action_ids)
             ids, labels = ids + obs, labels + [IGNORE] * len(obs)
     return Example(ids, labels)
+
+
+def select_examples(
+    tokenizer: Any, env: Any, demos: Sequence[Demonstration], max_tokens: int | None, max_demos: int | None
+) -> list[Example]:
+    """The demonstrations as examples, in order: those of at most `max_tokens` tokens (all when None),
+    then the first `max_demos` of them (all when None). A token cap keeps a CPU warm start affordable
+    where demonstrations run long (a bfcl conversation with its function docs: 1-5k tokens)."""
+    examples = [to_example(tokenizer, env.system_prompt, d, env=env) for d in demos]
+    if max_tokens is not None:
+        examples = [e for e in examples if len(e.input_ids) <= max_tokens]
+    return examples[:max_demos]
 
 
 def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
@@ -166,27 +188,28 @@ def run(cfg: DictConfig) -> Path:
     env = instantiate(cfg.env)
     train_ids, held = split_tasks([t.task_id for t in env.tasks()], cfg.held_out, cfg.seed)
     demos, missing = demonstrations(env, train_ids)
-    if cfg.max_demos is not None:
-        demos = demos[: cfg.max_demos]
     if not demos:
         raise ValueError(f"env={env.name}: no demonstration replays to reward 1 on the training tasks")
     base = policy_path(cfg.model)
     module = WarmStartModule(base, instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr)
-    examples = [to_example(module.tokenizer, env.system_prompt, d) for d in demos]
+    examples = select_examples(module.tokenizer, env, demos, cfg.max_demo_tokens, cfg.max_demos)
+    if not examples:
+        raise ValueError(f"max_demo_tokens={cfg.max_demo_tokens} leaves no demonstration: raise it, or null")
     pad = module.tokenizer.pad_token_id
     loader = DataLoader(
         examples, batch_size=cfg.batch_size, shuffle=True, collate_fn=lambda b: collate(b, pad)
     )
-    logger = _logger(cfg, env.name, len(demos), missing, sorted(held))
-    progress = FitProgress(f"warm start: {len(demos)} demonstrations", "warmstart/loss")
+    logger = _logger(cfg, env.name, len(examples), missing, sorted(held))
+    progress = FitProgress(f"warm start: {len(examples)} demonstrations", "warmstart/loss")
     trainer = instantiate(cfg.trainer, logger=logger if logger is not None else False, callbacks=[progress])
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     record = {
         "env": env.name,
         "base_model": model_tags(cfg.model.get("warm_start"), base)["base_model"],
-        "demonstrations": len(demos),
+        "demonstrations": len(examples),
         "tasks_without_demonstration": missing,
+        "max_demo_tokens": cfg.max_demo_tokens,
         "held_out_task_ids": sorted(held),
         "epochs": cfg.trainer.max_epochs,
         "seconds": round(time.perf_counter() - start, 1),
@@ -194,7 +217,7 @@ def run(cfg: DictConfig) -> Path:
     }
     out = module.save(Path(cfg.out_dir), record)
     if trainer.is_global_zero:
-        print(f"\nwarm start: {len(demos)} demonstrations ({missing} training tasks had none), {record}")
+        print(f"\nwarm start: {len(examples)} demonstrations ({missing} training tasks had none), {record}")
         print(f"  train on it: python -m trace_lightning.trainer model.warm_start={out.resolve()}")
     return out
 

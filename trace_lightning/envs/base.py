@@ -4,6 +4,10 @@ Environments are functional: `step(task, state, action_text)` returns the next s
 mutating one, so a tree node can keep the state it had (a snapshot) and a continuation branched from
 that node starts from exactly that state. States must be immutable values (tuples, frozen
 dataclasses).
+
+An environment whose prompt differs by task beyond the user message (bfcl: each entry's function
+docs) may also define `prompt_ids(task, tokenizer) -> list[int]`; the runner and the warm start then
+use it instead of templating `system_prompt` and `task.question` (`runner.task_prompt_ids`).
 """
 
 from __future__ import annotations
