@@ -214,7 +214,6 @@ def compose_train(args: Any, allocator: str, run_dir: str, warm: str | None = No
         f"engine={args.engine}",
         "logger=none",
         "callbacks=none",  # the Recorder below reads each iteration; no checkpoints or artifacts
-        "~callbacks.held_out",  # experiment=bfcl's learning-curve settings: the benchmark evaluates itself
         f"trainer.max_epochs={args.iterations}",
         "++trainer.enable_progress_bar=false",
         "++trainer.enable_model_summary=false",
@@ -247,7 +246,6 @@ def run_warm_start(args: Any, tmp: str) -> tuple[Path, dict[str, Any]]:
         # conversations' logits took 13 GB and the machine's OOM killer
         "batch_size=1",
         f"++trainer.accumulate_grad_batches={args.accumulate}",
-        "++trainer.enable_progress_bar=false",
     ]
     with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
         cfg = compose("warmstart", overrides=overrides)
