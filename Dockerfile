@@ -5,15 +5,15 @@
 #   docker run --gpus all --shm-size 8g -v "$PWD/outputs:/app/outputs" trace-lightning:gpu
 #       -> the default job on one GPU with the vLLM engine (CMD below)
 #   docker run --gpus all --shm-size 8g -v "$PWD/outputs:/app/outputs" trace-lightning:gpu \
-#       trainer=gpu engine=vllm trainer.strategy=fsdp trainer.devices=4
-#       -> FSDP over 4 GPUs, one colocated vLLM engine per process
+#       trainer=fsdp2 trainer.accelerator=gpu trainer.devices=4 engine=vllm
+#       -> FSDP2 over 4 GPUs, one colocated vLLM engine per process
 #   docker run --gpus all --entrypoint bash trace-lightning:gpu benchmarks/gpu_check.sh
 #       -> the GPU checks: vLLM engine tests, vLLM vs transformers timing, weight sync, one FSDP iteration
 #
 # On Linux x86_64 the pinned torch==2.13.0 from PyPI is the CUDA build, and the `vllm` extra resolves a
 # vLLM release built against it. The CPU image of earlier versions is gone: on CPU use `make` directly.
 #
-# bubblewrap is the python tool's jail (env.python_tool=true). Docker's default seccomp and AppArmor
+# bubblewrap is the python tool's jail (env=math_tool env.python_tool=true). Docker's default seccomp and AppArmor
 # profiles forbid the namespaces it makes, so the tool refuses to start unless the container runs with
 # `--security-opt seccomp=unconfined --security-opt apparmor=unconfined` (or a profile allowing them).
 # It also makes a cgroup per call below its own (memory, pids, cpu), so the container's cgroup tree must be

@@ -85,3 +85,55 @@ def test_every_package_folder_is_installed():
     inits = (ROOT / "trace_lightning").rglob("__init__.py")
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in inits}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth (function-level imports included, the
+    kind that hides a circle). `from pkg import sub` names the submodule, not the package."""
+    paths = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "trace_lightning").rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s for s in subs if s in paths] or [node.module]
+            for name in names:
+                while name and name not in paths:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    found.add(name)
+        graph[module] = found
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Modules that reach themselves, grouped by the set they reach each other through."""
+    reach = {m: set(deps) for m, deps in graph.items()}
+    changed = True
+    while changed:  # transitive closure; ~80 modules
+        changed = False
+        for m, seen in reach.items():
+            grown = seen.union(*(reach.get(d, set()) for d in seen))
+            if grown != seen:
+                reach[m], changed = grown, True
+    both_ways = {m: {d for d in reach[m] if m in reach.get(d, set())} for m in reach if m in reach[m]}
+    loops = {frozenset({m} | others) for m, others in both_ways.items()}
+    return [set(loop) for loop in loops]
+
+
+def test_the_package_has_no_import_circle():
+    """Issue 25 opened two (checkpoints <-> checkpoint_shards, trainer <-> warmstart) that function-level
+    imports hid; a new one, hidden or not, fails here naming its modules."""
+    assert _circles(_package_graph()) == []
+
+
+def test_the_circle_check_finds_a_hidden_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}  # d only reaches the circle
+    assert _circles(graph) == [{"a", "b", "c"}]
