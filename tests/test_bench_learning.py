@@ -11,12 +11,13 @@ SAME_BUDGET = [
     "pcl",
     "random_expand",
     "trace",
+    "trace_head",
+    "trace_gate",
+    "trace_head_gate",
+    "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
     "trace_prefix_only",
     "trace_explore",
-    "trace_gate",
-    "trace_breadth",
-    "trace_breadth_explore",
 ]
 
 
@@ -35,7 +36,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
     for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
         assert title in proc.stdout
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
-    assert len(verdicts) == 4
+    assert len(verdicts) == 6  # issue 20: three on the head online, three on learning
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
     config = result["config"]

@@ -121,7 +121,7 @@ def test_evaluate_refuses_a_checkpoint_of_another_adapter(trained_run, tmp_path)
 def test_evaluate_the_model_itself_greedily_on_every_task(tmp_path):
     cfg = compose_cfg(
         "evaluate", tmp_path, f"run_dir={tmp_path}/e", "eval.tasks=all", "eval.temperature=0",
-        "eval.samples=1", "env.n_tasks=12",
+        "eval.samples=1", "env.n_tasks=12", "data.held_out=4",
     )  # fmt: skip
     result, _ = evaluate(cfg)
     assert sorted(result.task_ids) == list(range(12)) and result.temperature == 0.0 and result.samples == 1
@@ -137,6 +137,7 @@ def test_the_evaluate_command_logs_to_mlflow(tmp_path):
         f"run_dir={tmp_path}/e",
         "eval.samples=2",
         "env.n_tasks=12",
+        "data.held_out=4",
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "trace_lightning.evaluate", *args],

@@ -79,3 +79,13 @@ def test_skill_against_a_reference_forecast():
     p, ref = np.array([0.9, 0.1]), np.array([0.5, 0.5])
     assert gauges.skill_against(p, ref, np.array([1, 0]), np.array([1, 1])) == pytest.approx(1 - 0.01 / 0.25)
     assert gauges.skill_against(ref, ref, np.array([1, 0]), np.array([1, 1])) == 0.0
+
+
+def test_a_group_larger_than_the_probe_counts_as_a_group_of_the_probes_size():
+    """Candidate 0: 1 success in 4 episodes, a group of 6 -> scored as a group of 4: every 4-subset of the
+    4 episodes holds the success and 3 failures, so it is mixed (1.0). Candidate 1: a pair from 2 of 4."""
+    counts, successes, samples = np.array([6, 2]), np.array([1, 2]), np.array([4, 4])
+    pair = 1 - (comb(2, 2) + comb(2, 2)) / comb(4, 2)  # 4 of the 6 pairs hold one success: 2/3
+    assert gauges.expected_mixed(counts, successes, samples) == pytest.approx(1.0 + pair)
+    with pytest.raises(ValueError, match="a group of 6 needs at least 6"):
+        gauges.mixed_prob_unbiased(successes, samples, counts)

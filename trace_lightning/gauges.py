@@ -88,8 +88,10 @@ def mixed_prob_unbiased(successes: np.ndarray, samples: np.ndarray, m: np.ndarra
 
 
 def expected_mixed(counts: np.ndarray, successes: np.ndarray, samples: np.ndarray) -> float:
-    """Expected number of candidates whose `counts[i]` bare rollouts are mixed."""
-    return float(mixed_prob_unbiased(successes, samples, counts).sum())
+    """Expected number of candidates whose `counts[i]` bare rollouts are mixed. A group larger than the
+    probe's episodes of its candidate is scored as a group of that many: a lower bound, since
+    V_root(v, m) grows with m, where an unbiased estimate does not exist."""
+    return float(mixed_prob_unbiased(successes, samples, np.minimum(counts, samples)).sum())
 
 
 def expected_mixed_random_pairs(n_roots: int, successes: np.ndarray, samples: np.ndarray) -> float:
