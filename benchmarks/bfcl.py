@@ -242,6 +242,7 @@ def run_warm_start(args: Any, tmp: str) -> tuple[Path, dict[str, Any]]:
         f"max_demos={args.demos}",
         f"max_demo_tokens={args.demo_tokens if args.demo_tokens is not None else 'null'}",
         f"trainer.max_epochs={args.epochs}",
+        f"lr={args.lr}",
         # one conversation a step, 4 steps an update (the default's batch of 4): a batch of 4 long
         # conversations' logits took 13 GB and the machine's OOM killer
         "batch_size=1",
@@ -381,6 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demos", type=int, default=24, help="warm start: max_demos")
     p.add_argument("--demo-tokens", type=int, default=1600, help="warm start: max_demo_tokens")
     p.add_argument("--epochs", type=int, default=2, help="warm start epochs")
+    p.add_argument("--lr", type=float, default=2e-4, help="warm start learning rate (conf/warmstart.yaml's)")
     p.add_argument("--accumulate", type=int, default=4, help="warm start: conversations per update")
     p.add_argument(
         "--train-entries", type=int, default=16, help="shortest Base training entries RL draws from"
