@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,16 @@ def conf_dir() -> Path:
 
 class UnknownSettingError(ValueError):
     """A command-line override names a setting that no config group has."""
+
+
+def checked_main(main: Callable[[], Any]) -> None:
+    """A console entry: run the Hydra `main` after checking the command line's overrides, so a
+    misspelt setting fails here, naming the nearest real ones, instead of deep in Hydra."""
+    try:
+        check_overrides(sys.argv[1:])
+    except UnknownSettingError as err:
+        raise SystemExit(f"error: {err}") from None
+    main()
 
 
 def check_overrides(args: list[str]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +157,7 @@ def main(cfg: DictConfig) -> float:
 
 def cli() -> None:
     """The console entry: a misspelt setting fails here, naming the nearest real ones."""
-    try:
-        config.check_overrides(sys.argv[1:])
-    except config.UnknownSettingError as err:
-        raise SystemExit(f"error: {err}") from None
-    main()
+    config.checked_main(main)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ python -m trace_lightning.trainer experiment=grpo                  # a paper bas
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -345,11 +344,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli() -> None:
     """The console entry: a misspelt setting fails here, naming the nearest real ones."""
-    try:
-        config.check_overrides(sys.argv[1:])
-    except config.UnknownSettingError as err:
-        raise SystemExit(f"error: {err}") from None
-    main()
+    config.checked_main(main)
 
 
 if __name__ == "__main__":
