@@ -8,7 +8,8 @@
    which doc level (full, compact, signatures) each entry gets, i.e. what was cut.
 2. Held-out success of the model as shipped, on the `--eval-entries` shortest held-out entries of each
    subset (fewest ground-truth calls, then turns; the held-out 40 of 200 are the 80/20 split with the
-   run's seed), `--eval-samples` episodes each at the training temperature with a seed of their own.
+   run's seed), `--eval-samples` episodes each at `--eval-temperature` (the training one by default; 0
+   decodes greedily, as BFCL's own leaderboard does, with one episode per entry) with a seed of their own.
    Also policy turns, calls and user turns reached per episode, from the episodes' final env states.
 3. The warm start (`trace_lightning.warmstart.run`, the CLI's function) on the Base training entries'
    ground truth: at most `--demos` demonstrations of at most `--demo-tokens` tokens; held-out success
@@ -17,7 +18,7 @@
    `experiment=bfcl` with this run's sizes, for `--iterations` iterations on the `--train-entries`
    shortest Base training entries (same seed: same LoRA init and first pool); per iteration the
    product's rollout metrics, mixed nodes by tree depth and seconds; held-out Base success after.
-5. A tree PNG of the trace run: the tree with the most mixed nodes at depth >= 2.
+5. A tree PNG of the trace run: the tree with the most mixed nodes at depth >= 2, then below the root.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import gc
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +113,11 @@ def release(engine: Any) -> None:
 
 def episodes(engine: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples: int, args: Any) -> dict:
     """`samples` episodes of each entry in `ids`, sampled as training samples (the `sampling` group's
-    defaults but max_new_tokens), cut by the same episode limits, with a torch seed of their own."""
+    defaults but max_new_tokens, at `--eval-temperature` when given), cut by the same episode limits, with
+    a torch seed of their own."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    if args.eval_temperature is not None:
+        params = replace(params, temperature=args.eval_temperature)
     limits = EpisodeLimits(args.max_turns, args.max_episode_tokens)
     runner = ReActRunner(engine, tokenizer, env, params, limits)
     trees = [runner.new_tree(i) for i in ids]
@@ -169,8 +174,12 @@ def _final_state(tree: RolloutTree, leaf: int) -> Any:
 def eval_env(subset: str, args: Any) -> tuple[BFCLEnv, list[int]]:
     """The subset's env as the run configures it, and its `--eval-entries` shortest held-out entries."""
     env = BFCLEnv(subset, max_doc_chars=args.max_doc_chars, max_calls_per_turn=args.max_calls)
-    _, held = split_tasks([t.task_id for t in env.tasks()], env.held_out, args.seed)
-    return env, shortest(env, held, args.eval_entries)
+    return env, shortest(env, held_out_ids(env, args.seed), args.eval_entries)
+
+
+def held_out_ids(env: BFCLEnv, seed: int) -> set[int]:
+    """The entries the warm start and the trainer hold out (`env.held_out` of them, split by `seed`)."""
+    return split_tasks([t.task_id for t in env.tasks()], env.held_out, seed)[1]
 
 
 def held_out(policy: Any, tokenizer: Any, args: Any, subsets: tuple[str, ...]) -> dict[str, Any]:
@@ -232,11 +241,27 @@ def compose_train(args: Any, allocator: str, run_dir: str, warm: str | None = No
         return compose("train", overrides=overrides)
 
 
-def run_warm_start(args: Any, tmp: str) -> tuple[Path, dict[str, Any]]:
+def run_warm_start(args: Any, tmp: str, base_model: str) -> tuple[Path, dict[str, Any]]:
+    """The warm start of step 3, into `--warm-start-dir` (kept) or the run's temporary folder. A
+    `--warm-start-dir` that already holds a finished warm start of the same base model and held-out
+    split is reused, not trained again (the RL steps can then be re-run without its hour on a CPU)."""
+    run_dir = args.warm_start_dir or Path(tmp) / "warm_start"
+    done = run_dir / "model" / warmstart.MARKER
+    if done.is_file():
+        record = json.loads(done.read_text())
+        held = held_out_ids(BFCLEnv("base"), args.seed)
+        if record.get("base_model") != Path(base_model).name or set(record["held_out_task_ids"]) != held:
+            raise SystemExit(
+                f"--warm-start-dir {run_dir} holds a warm start of {record.get('base_model')} or of another "
+                f"held-out split than this run's ({Path(base_model).name}, --seed {args.seed}): "
+                "pass an empty folder"
+            )
+        print(f"warm start: reusing {done.parent} ({record.get('demonstrations')} demos)", flush=True)
+        return done.parent, record | {"wall_seconds": 0.0, "reused": str(done.parent)}
     overrides = [
         *env_overrides(args),
         *model_overrides(args, tmp),
-        f"run_dir={tmp}/warm_start",
+        f"run_dir={run_dir}",
         "logger=none",
         f"seed={args.seed}",
         f"max_demos={args.demos}",
@@ -348,10 +373,11 @@ def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, f
 
 
 def best_tree(trees: list[RolloutTree], out: Path) -> dict[str, Any] | None:
-    """Draw the tree with the most mixed nodes at depth >= 2 (then the most nodes)."""
+    """Draw the tree with the most mixed nodes at depth >= 2 (then at depth >= 1, then the most nodes)."""
     if not trees:
         return None
-    score = [(sum(tree_stats(t, SUCCESS).mixed_by_depth[2:]), len(t.nodes)) for t in trees]
+    mixed = [tree_stats(t, SUCCESS).mixed_by_depth for t in trees]
+    score = [(sum(m[2:]), sum(m[1:]), len(t.nodes)) for m, t in zip(mixed, trees, strict=True)]
     tree = trees[int(max(range(len(trees)), key=lambda i: score[i]))]
     draw_tree(tree, out)
     stats = tree_stats(tree, SUCCESS)
@@ -377,6 +403,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-samples", type=int, default=2, help="episodes per held-out entry")
     p.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=None,
+        help="temperature of the held-out episodes (default: the training one; 0: greedy, one episode)",
+    )
+    p.add_argument(
         "--eval-subsets", default=",".join(SUBSETS), help="subsets evaluated before/after the warm start"
     )
     p.add_argument("--demos", type=int, default=24, help="warm start: max_demos")
@@ -385,12 +417,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-4, help="warm start learning rate (conf/warmstart.yaml's)")
     p.add_argument("--accumulate", type=int, default=4, help="warm start: conversations per update")
     p.add_argument(
+        "--warm-start-dir",
+        type=Path,
+        default=None,
+        help="keep the warm start here (default: a temporary folder); reused if it already holds one",
+    )
+    p.add_argument(
         "--train-entries", type=int, default=16, help="shortest Base training entries RL draws from"
     )
     p.add_argument("--leaves", type=int, default=8, help="leaves per iteration, the same for every method")
     p.add_argument("--pool", type=int, default=8, help="candidate entries per iteration")
     p.add_argument("--iterations", type=int, default=3, help="RL iterations per method")
-    p.add_argument("--methods", default="trace,uniform", help="allocators compared from the warm start")
+    p.add_argument(
+        "--methods", default="trace,uniform", help="allocators compared from the warm start ('': no RL)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="sampling.max_new_tokens")
     p.add_argument("--max-turns", type=int, default=16, help="data.max_turns (policy turns per conversation)")
     p.add_argument("--max-episode-tokens", type=int, default=3072, help="data.max_episode_tokens")
@@ -406,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
+    if args.eval_temperature == 0 and args.eval_samples != 1:
+        p.error(f"--eval-temperature 0 is greedy: --eval-samples {args.eval_samples} replays one episode")
     return args
 
 
@@ -419,7 +461,7 @@ def measure(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
         result["prompt_tokens_default_docs"] = prompt_tokens(tokenizer, 16000)
     print("held-out success of the model as shipped:", flush=True)
     result["before"] = held_out(policy, tokenizer, args, subsets)
-    warm, result["warm_start"] = run_warm_start(args, tmp)
+    warm, result["warm_start"] = run_warm_start(args, tmp, path)
     print(
         f"warm start: {result['warm_start']['demonstrations']} demonstrations, "
         f"{result['warm_start']['wall_seconds']:.0f} s",
@@ -431,7 +473,7 @@ def measure(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     result["after_warm_start"] = held_out(policy, tokenizer, args, subsets)
     del policy
     gc.collect()
-    result["rl"] = {name: run_rl(name, args, tmp, warm) for name in args.methods.split(",")}
+    result["rl"] = {name: run_rl(name, args, tmp, warm) for name in args.methods.split(",") if name}
     png = args.tree_png or args.out.with_name(f"bfcl_tree_{'quick' if args.quick else args.model}.png")
     result["tree_png"] = best_tree(result["rl"].get("trace", {}).get("trees", []), png)
     for run in result["rl"].values():

@@ -100,13 +100,15 @@ def test_real_learning_smollm2_smallest(tmp_path):
 
 def test_bfcl_quick_mode(tmp_path):
     """The function-calling benchmark end to end on a tiny random model: the issue's keys, equal leaves
-    for both methods, held-out entries never trained on, a tree drawn, prompt tokens for every subset."""
+    for both methods, held-out entries never trained on, a tree drawn, prompt tokens for every subset;
+    held-out episodes decoded greedily, as the published run does."""
     out = tmp_path / "bfcl.json"
     proc = subprocess.run(
         [
             sys.executable,
             "benchmarks/bfcl.py",
             "--quick",
+            *("--eval-temperature", "0"),
             "--out",
             str(out),
             "--tree-png",
