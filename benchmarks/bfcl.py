@@ -28,7 +28,6 @@ import gc
 import json
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.envs.bfcl import BFCLEnv
 from trace_lightning.envs.bfcl_data import SUBSETS, Entry
+from trace_lightning.evaluation import EvalSettings
 from trace_lightning.iteration import Branch
 from trace_lightning.models import build_policy, build_tiny_model, prepare_gemma3, prepare_smollm2
 from trace_lightning.plots import draw_tree
@@ -115,9 +115,7 @@ def episodes(engine: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples:
     """`samples` episodes of each entry in `ids`, sampled as training samples (the `sampling` group's
     defaults but max_new_tokens, at `--eval-temperature` when given), cut by the same episode limits, with
     a torch seed of their own."""
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    if args.eval_temperature is not None:
-        params = replace(params, temperature=args.eval_temperature)
+    params = eval_settings(args).sampling(SamplingParams(max_new_tokens=args.max_new_tokens))
     limits = EpisodeLimits(args.max_turns, args.max_episode_tokens)
     runner = ReActRunner(engine, tokenizer, env, params, limits)
     trees = [runner.new_tree(i) for i in ids]
@@ -137,6 +135,11 @@ def episodes(engine: Any, tokenizer: Any, env: BFCLEnv, ids: list[int], samples:
         if n != 0
     ]
     return out
+
+
+def eval_settings(args: Any) -> EvalSettings:
+    """The held-out episodes as the product's `eval` group would play them (it checks the values)."""
+    return EvalSettings(samples=args.eval_samples, temperature=args.eval_temperature)
 
 
 def summarise(env: BFCLEnv, trees: list[RolloutTree], seconds: float) -> dict[str, Any]:
@@ -248,14 +251,13 @@ def run_warm_start(args: Any, tmp: str, base_model: str) -> tuple[Path, dict[str
     run_dir = args.warm_start_dir or Path(tmp) / "warm_start"
     done = run_dir / "model" / warmstart.MARKER
     if done.is_file():
-        record = json.loads(done.read_text())
-        held = held_out_ids(BFCLEnv("base"), args.seed)
-        if record.get("base_model") != Path(base_model).name or set(record["held_out_task_ids"]) != held:
+        record = warmstart.warm_start_record(str(done.parent))
+        if record.get("base_model") != Path(base_model).name:
             raise SystemExit(
-                f"--warm-start-dir {run_dir} holds a warm start of {record.get('base_model')} or of another "
-                f"held-out split than this run's ({Path(base_model).name}, --seed {args.seed}): "
-                "pass an empty folder"
+                f"--warm-start-dir {run_dir} holds a warm start of {record.get('base_model')}, not of "
+                f"{Path(base_model).name}: pass an empty folder"
             )
+        warmstart.check_held_out(str(done.parent), sorted(held_out_ids(BFCLEnv("base"), args.seed)))
         print(f"warm start: reusing {done.parent} ({record.get('demonstrations')} demos)", flush=True)
         return done.parent, record | {"wall_seconds": 0.0, "reused": str(done.parent)}
     overrides = [
@@ -446,8 +448,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
-    if args.eval_temperature == 0 and args.eval_samples != 1:
-        p.error(f"--eval-temperature 0 is greedy: --eval-samples {args.eval_samples} replays one episode")
+    try:
+        eval_settings(args)
+    except ValueError as err:
+        p.error(str(err).replace("eval.", "--eval-"))
     return args
 
 
