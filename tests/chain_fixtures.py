@@ -16,7 +16,7 @@ from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.losses import LossSettings
 from trace_lightning.models import build_policy
-from trace_lightning.module import TraceModule
+from trace_lightning.module import ModuleSettings, TraceModule
 from trace_lightning.predictor import PredictorSettings
 
 SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)
@@ -32,7 +32,13 @@ DATA = DataSettings(
 
 
 def make_module(
-    model_dir, adapter=None, kl_coef=0.0, companion=None, temperature=SAMPLING.temperature, **head
+    model_dir,
+    adapter=None,
+    kl_coef=0.0,
+    companion=None,
+    temperature=SAMPLING.temperature,
+    settings=ModuleSettings(),
+    **head,
 ):
     """`head`: PredictorSettings fields that differ from HEAD."""
     lora = (
@@ -47,17 +53,27 @@ def make_module(
         loss=LossSettings(kl_coef=kl_coef),
         predictor=dataclasses.replace(HEAD, **head),
         companion=build_policy(companion) if companion is not None else None,
+        settings=settings,
     )
 
 
-def make_data(allocator=None, leaves=12, max_tokens=None, engine=None, sampling=SAMPLING, held_out=0, **kw):
+def make_data(
+    allocator=None,
+    leaves=12,
+    max_tokens=None,
+    engine=None,
+    sampling=SAMPLING,
+    held_out=0,
+    settings=DATA,
+    **kw,
+):
     return RolloutDataModule(
         env=ChainEnv(n_tasks=24, turns=3, seed=0),
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
         sampling=sampling,
         budget=Budget(leaves, max_tokens),
-        settings=dataclasses.replace(DATA, held_out=held_out),
+        settings=dataclasses.replace(settings, held_out=held_out),
         **kw,
     )
 

@@ -2,7 +2,16 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lightning.batching import GRPO, TreeGRPO, TreeSegment, collate, leaf_sequences, node_advantages
+from trace_lightning.batching import (
+    GRPO,
+    Batching,
+    TreeGRPO,
+    TreeSegment,
+    collate,
+    leaf_sequences,
+    node_advantages,
+    step_layout,
+)
 from trace_lightning.tree import RolloutTree
 
 
@@ -79,3 +88,43 @@ def test_collate_pads_right_and_keeps_targets_aligned():
     assert batch.attention_mask.sum().item() == sum(len(s.token_ids) for s in seqs)
     assert batch.input_ids[batch.pred_rows, batch.pred_cols].tolist() == [101, 3, 102]
     assert torch.all(batch.advantages[batch.loss_mask == 0] == 0)
+
+
+def many_trees(n: int = 5) -> list[RolloutTree]:
+    """n trees of 1, 2, ... leaves (7 in all for n = 3), rewards alternating."""
+    trees = []
+    for i in range(n):
+        t = RolloutTree(task_id=i, prompt_ids=[100 + i])
+        for j in range(i + 1):
+            t.finish(t.add_turn(0, "bare", [1 + j], []), float(j % 2), "answer")
+        trees.append(t)
+    return trees
+
+
+@pytest.mark.parametrize("tokens", [None, 4])
+def test_fixed_steps_split_the_leaves_evenly_whatever_the_micro_batching(tokens):
+    trees = many_trees(5)  # 1 + 2 + 3 + 4 + 5 = 15 leaves
+    key = lambda s: (s.tree_index, s.leaf)  # noqa: E731
+    every = [key(s) for s in leaf_sequences(trees, node_advantages(trees, GRPO()))]
+    for steps in (1, 2, 4, 15):
+        plan = Batching(micro_batch_size=2, micro_batch_tokens=tokens, estimator=GRPO(), steps=steps).plan(
+            trees
+        )
+        assert len(plan) == steps
+        counts = [sum(len(chunk) for chunk in step) for step in plan]
+        assert sum(counts) == 15 and max(counts) - min(counts) <= 1  # 15 / 4: 4, 4, 4, 3 in some order
+        # every leaf once, in tree order
+        assert sorted(key(s) for step in plan for chunk in step for s in chunk) == sorted(every)
+    # more steps than leaves: the extra steps are empty (they train nothing)
+    plan = Batching(micro_batch_size=2, micro_batch_tokens=tokens, estimator=GRPO(), steps=20).plan(trees)
+    assert len(plan) == 20 and sum(1 for step in plan if not step) == 5
+    # steps=None: one step per micro-batch, as many as micro-batching makes
+    plan = Batching(micro_batch_size=2, micro_batch_tokens=tokens, estimator=GRPO()).plan(trees)
+    assert all(len(step) == 1 for step in plan)
+
+
+def test_the_step_layout_pads_each_step_to_the_same_accumulation():
+    a, b, c = ([object()] for _ in range(3))  # three one-sequence micro-batches
+    assert step_layout([[a, b], [c], []], per_step=2) == [a, b, c, [], [], []]
+    with pytest.raises(ValueError, match="steps_per_iteration"):
+        Batching(micro_batch_size=2, micro_batch_tokens=None, estimator=GRPO(), steps=0)

@@ -39,9 +39,11 @@ def make_cfg(tmp_path: Path, run_dir: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of one iteration; its checkpoint folder holds iteration-0000.ckpt, digest, manifest."""
+    """A run of one iteration; its checkpoint folder holds iteration-0000.ckpt, digest, manifest. Every
+    step moves AdamW (the tiny model's random policy rarely has contrast: without this its steps would
+    be held and the checkpoint would hold no Adam moments to damage)."""
     root = tmp_path_factory.mktemp("trained")
-    trainer.train(make_cfg(root, root / "run", "trainer.max_epochs=1"))
+    trainer.train(make_cfg(root, root / "run", "trainer.max_epochs=1", "module.hold_on_zero_gradient=false"))
     return root / "run" / "checkpoints" / "iteration-0000.ckpt"
 
 

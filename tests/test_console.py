@@ -3,6 +3,7 @@ iteration through a real fit, no repeated sync_dist warnings, and vLLM-style log
 file."""
 
 import io
+import json
 import logging
 import warnings
 
@@ -23,6 +24,7 @@ from trace_lightning.console import (
     RunSummary,
     iteration_summary,
     quiet_known_warnings,
+    summary_record,
     summary_text,
 )
 from trace_lightning.engines.base import EngineStats
@@ -33,9 +35,35 @@ from trace_lightning.tree import RolloutTree
 SYNC_DIST = "It is recommended to use `self.log("
 
 
-def row(iteration, success, effective, roots, prefixes, tokens, turns, sample, train, prefill=500, tools=3):
+def row(
+    iteration,
+    success,
+    effective,
+    roots,
+    prefixes,
+    tokens,
+    turns,
+    sample,
+    train,
+    prefill=500,
+    tools=3,
+    steps=2,
+):
     return IterationSummary(
-        iteration, success, effective, roots, prefixes, 12, tokens, prefill, tools, turns, sample, 0.5, train
+        iteration,
+        success,
+        effective,
+        roots,
+        prefixes,
+        12,
+        tokens,
+        prefill,
+        tools,
+        turns,
+        sample,
+        0.5,
+        train,
+        steps,
     )
 
 
@@ -59,13 +87,13 @@ def test_summary_text_from_known_iterations():
     )
     assert summary_text(summary).splitlines() == [
         "TRACE summary: 2 iterations in 1 min 35 s",
-        "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  sample s  train s",
-        "     0     0.25       0.50              2 / 0      12    1,234   1.50      10.0      3.5",
-        "     1     0.75       1.00              3 / 2      12    2,000   2.00      12.0      4.5",
+        "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  steps  sample s  train s",
+        "     0     0.25       0.50              2 / 0      12    1,234   1.50      2      10.0      3.5",
+        "     1     0.75       1.00              3 / 2      12    2,000   2.00      2      12.0      4.5",
         # (0.25 * 12 + 0.75 * 12) / 24 leaves; (0.5 + 1.0) / 2 iterations
         "success 0.50 over all leaves (first iteration 0.25, last 0.75); effective ratio 0.75",
         "mixed anchors: 5 roots, 2 turn prefixes",
-        "spent: 24 leaves, 3,234 generated tokens, 1,000 prefill tokens, 6 tool calls",
+        "spent: 24 leaves, 3,234 generated tokens, 1,000 prefill tokens, 6 tool calls; 4 optimizer steps",
         # 95 s of wall time less 22 s sampling, 2 x 0.5 s sync and 8 s training; 95 s / 24 leaves
         "time: sampling 22.0 s, weight sync 1.0 s, training 8.0 s, other 1 min 04 s; 4.0 s per leaf",
     ]
@@ -110,6 +138,22 @@ def test_the_summary_ends_with_the_held_out_learning_curve():
     assert "held-out" not in summary_text(FitSummary(its, 10.0))  # no held-out tasks, no line
 
 
+def test_the_summary_record_holds_the_curve_and_its_paired_change():
+    its = (row(0, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0), row(1, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0))
+    # the curve above plus a middle point: before 0, 2, 4 of 4; after 1, 3, 4 (see the previous test)
+    curve = ((0, evaluated([0, 2, 4])), (1, evaluated([4, 4, 4])), (2, evaluated([1, 3, 4])))
+    record = json.loads(json.dumps(summary_record(FitSummary(its, 10.0, curve))))
+    held = record["held_out"]
+    assert (held["tasks"], held["samples"], held["start"], held["final"]) == (3, 4, 0.5, pytest.approx(2 / 3))
+    # per-task changes .25, .25, 0: mean 1/6, SE = std / sqrt(3) with std (ddof 1) = 0.1443
+    assert held["change"] == pytest.approx(1 / 6)
+    assert held["change_se"] == pytest.approx(0.14434 / 3**0.5, abs=1e-4)
+    assert held["point_se_max"] == pytest.approx(0.5 / 3**0.5, abs=1e-4)  # the first point's SE, 0.29
+    assert [p["iterations"] for p in held["curve"]] == [0, 1, 2]
+    assert [it["optimizer_steps"] for it in record["iterations"]] == [2, 2]
+    assert "held_out" not in summary_record(FitSummary(its, 10.0))
+
+
 def fit_two_iterations(tiny_model_dir, callbacks, progress_bar=False):
     torch.manual_seed(0)
     module = trace_module(tiny_model_dir, torch.optim.AdamW)
@@ -120,8 +164,8 @@ def fit_two_iterations(tiny_model_dir, callbacks, progress_bar=False):
     return data
 
 
-def test_one_bar_per_iteration_then_the_summary(tiny_model_dir, capsys):
-    summary = RunSummary()
+def test_one_bar_per_iteration_then_the_summary(tiny_model_dir, capsys, tmp_path):
+    summary = RunSummary(record_path=tmp_path / "run" / "summary.json")
     data = fit_two_iterations(tiny_model_dir, [IterationProgress(), summary], progress_bar=True)
     out = capsys.readouterr()
     leaves = data.budget.leaves
@@ -131,6 +175,8 @@ def test_one_bar_per_iteration_then_the_summary(tiny_model_dir, capsys):
     assert [r.iteration for r in summary.rows] == [0, 1]
     assert summary.rows[-1] == iteration_summary(data.report, summary.rows[-1].train_seconds)
     assert "TRACE summary: 2 iterations in" in out.out and out.out.count("TRACE summary") == 1
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [it["iteration"] for it in written["iterations"]] == [0, 1]
 
 
 @pytest.fixture

@@ -1,17 +1,19 @@
 """RolloutDataModule through Lightning on the chain task: on-policy iterations, budgets, exact
 re-entry of branched prefixes, robustness to malformed actions, and resume state."""
 
+import dataclasses
 import functools
 
 import lightning as L
 import numpy as np
 import torch
-from chain_fixtures import fit, make_data, make_module
+from chain_fixtures import DATA, fit, make_data, make_module
 
 from trace_lightning import allocation as alloc
 from trace_lightning.engines.base import Completion, EngineStats, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.module import ModuleSettings
 
 
 class Recorder(L.Callback):
@@ -36,7 +38,9 @@ class Recorder(L.Callback):
 
 def test_full_iterations_through_lightning_are_on_policy(tiny_model_dir):
     torch.manual_seed(0)
-    module, data, rec = make_module(tiny_model_dir), make_data(), Recorder()
+    # every step moves the weights, contrast or not, so that "training changed them" is checkable
+    moving = ModuleSettings(hold_on_zero_gradient=False)
+    module, data, rec = make_module(tiny_model_dir, settings=moving), make_data(), Recorder()
     fit(module, data, epochs=3, callbacks=[rec])
     # the batch of epoch k was sampled by the weights that epoch k-1 ended with
     assert rec.generated_with[1:] == rec.end_fingerprints[:-1]
@@ -145,3 +149,33 @@ def test_datamodule_state_dict_replays_the_next_iteration_exactly(tiny_model_dir
     resumed.build_iteration(module)
     got = [(t.task_id, t.token_ids(leaf)) for t in resumed.report.result.trees for leaf in t.leaves()]
     assert got == expected and resumed.collector.iteration == first.collector.iteration == 2
+
+
+class StepCounter(L.Callback):
+    """Optimizer steps per epoch (the Trainer's global step at each epoch's end)."""
+
+    def __init__(self):
+        self.at_epoch_end = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.at_epoch_end.append(trainer.global_step)
+
+
+def test_uniform_and_trace_make_the_same_optimizer_steps_at_the_same_budget(tiny_model_dir):
+    # Packed into micro-batches of 40 tokens, trace's trees (shared prefixes once) and uniform's groups
+    # make different numbers of micro-batches; data.steps_per_iteration fixes the optimizer steps.
+    settings = dataclasses.replace(DATA, micro_batch_tokens=40, steps_per_iteration=3)
+    for name, allocator in {
+        "trace": alloc.trace(expansion=2, max_per_prompt=4),
+        "uniform": alloc.uniform(group_size=3),
+    }.items():
+        torch.manual_seed(0)
+        module, data, steps = (
+            make_module(tiny_model_dir),
+            make_data(allocator, settings=settings),
+            StepCounter(),
+        )
+        trainer = fit(module, data, epochs=2, callbacks=[steps])
+        report = data.report
+        assert report.optimizer_steps == 3 and steps.at_epoch_end == [3, 6], name
+        assert trainer.accumulate_grad_batches == report.micro_batches_per_step

@@ -7,11 +7,14 @@ import torch
 from chain_fixtures import fit, make_data, make_module
 
 from trace_lightning.losses import predictor_mse
+from trace_lightning.module import ModuleSettings
 
 
 def test_lora_trains_only_adapters_and_head(tiny_model_dir):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, adapter=True)
+    # the random policy never succeeds on the chain, so every advantage is 0: with the zero-gradient hold
+    # off, AdamW's weight decay is what moves the adapters, which is enough to see which weights train
+    module = make_module(tiny_model_dir, adapter=True, settings=ModuleSettings(hold_on_zero_gradient=False))
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     fit(module, make_data(), epochs=1)
     changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
@@ -22,9 +25,23 @@ def test_lora_trains_only_adapters_and_head(tiny_model_dir):
     assert all("lora_" in n or n.startswith("head.") for n in trainable)
 
 
+def test_a_step_without_signal_leaves_the_policy_and_its_adam_state_alone(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, adapter=True)  # hold_on_zero_gradient is on by default
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    trainer = fit(module, make_data(), epochs=1)
+    assert trainer.callback_metrics["train/held_zero_gradient"] == 1.0  # every leaf failed: no signal
+    for n, p in module.policy.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, before[n]), n  # no momentum step, no weight decay
+            assert p not in trainer.optimizers[0].state  # AdamW never took a step for it
+    head_state = [trainer.optimizers[0].state[p] for p in module.head.parameters()]
+    assert all(s["step"] > 0 for s in head_state)  # the head still learned from its own targets
+
+
 def test_full_finetuning_changes_base_weights(tiny_model_dir):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir)
+    module = make_module(tiny_model_dir, settings=ModuleSettings(hold_on_zero_gradient=False))
     w = module.policy.model.layers[0].mlp.up_proj.weight.detach().clone()
     fit(module, make_data(), epochs=1)
     assert not torch.equal(w, module.policy.model.layers[0].mlp.up_proj.weight)

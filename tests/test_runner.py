@@ -345,6 +345,7 @@ def chain_data(
         pool_size=8,
         max_turns=MAX_TURNS,
         max_episode_tokens=MAX_EPISODE_TOKENS,
+        steps_per_iteration=None,  # one optimizer step per micro-batch: these tests check every step
     )
 
 

@@ -114,6 +114,9 @@ def test_wrong_type_and_unknown_key_fail_naming_the_key(tmp_path):
         ("loss.clip_low=1.5", "loss.clip_low"),
         ("loss.kl_kind=k2", "loss.kl_kind"),
         ("sampling.temperature=0", "sampling.temperature"),
+        ("sampling.top_p=0.9", "sampling.top_p"),  # log-probs would ignore the truncation
+        ("data.steps_per_iteration=0", "data.steps_per_iteration"),
+        ("trainer.accumulate_grad_batches=4", "data.steps_per_iteration"),  # the DataModule owns it
         ("predictor.pooling=max", "predictor.pooling"),
         ("cold_start.decay=2", "cold_start.decay"),
         ("module.max_skipped_steps=0", "module.max_skipped_steps"),

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -305,6 +306,7 @@ class Batching:
     micro_batch_size: int  # leaf sequences per micro-batch, used only when micro_batch_tokens is None
     micro_batch_tokens: int | None  # packed tokens per micro-batch (whole trees where they fit)
     estimator: Estimator
+    steps: int | None = None  # optimizer steps per iteration (None: one per micro-batch)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -314,17 +316,42 @@ class Batching:
                 f"data.micro_batch_tokens={self.micro_batch_tokens} must be >= 1, or null to batch "
                 "data.micro_batch_size sequences at a time"
             )
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(
+                f"data.steps_per_iteration={self.steps} must be >= 1, or null for one step per micro-batch"
+            )
 
-    def plan(self, trees: Sequence[RolloutTree]) -> list[list[LeafSequence]]:
-        """The leaf sequences (with node advantages) of each micro-batch: up to `micro_batch_tokens`
-        packed tokens (whole trees where they fit, `packing.budget_groups`), or `micro_batch_size`
-        sequences when that is None."""
+    def plan(self, trees: Sequence[RolloutTree]) -> list[list[list[LeafSequence]]]:
+        """The micro-batches of each optimizer step, each micro-batch its leaf sequences (with node
+        advantages).
+
+        With `steps` set, the leaves (in tree order) are split into that many runs of as equal a count
+        as they allow, whatever the allocator, so every method makes the same number of optimizer steps;
+        each run is then cut into micro-batches of up to `micro_batch_tokens` packed tokens (whole trees
+        where they fit, `packing.budget_groups`), or `micro_batch_size` sequences when that is None.
+        A step gets no leaves only when there are fewer leaves than steps. With `steps` None, every
+        micro-batch is a step of its own."""
         seqs = leaf_sequences(trees, node_advantages(trees, self.estimator))
+        if self.steps is None:
+            return [[chunk] for chunk in self._chunks(trees, seqs)]
+        cuts = np.linspace(0, len(seqs), self.steps + 1).round().astype(int)
+        return [self._chunks(trees, seqs[a:b]) for a, b in itertools.pairwise(cuts)]
+
+    def _chunks(self, trees: Sequence[RolloutTree], seqs: list[LeafSequence]) -> list[list[LeafSequence]]:
+        if not seqs:
+            return []
         if self.micro_batch_tokens is not None:
             keys = [(s.tree_index, s.leaf) for s in seqs]
             return [[seqs[j] for j in g] for g in budget_groups(trees, keys, self.micro_batch_tokens)]
         size = self.micro_batch_size
         return [seqs[i : i + size] for i in range(0, len(seqs), size)]
+
+
+def step_layout(plan: Sequence[Sequence[Sequence[LeafSequence]]], per_step: int) -> list[list[LeafSequence]]:
+    """The plan's micro-batches in training order, each step padded with empty ones (which train
+    nothing) to `per_step` micro-batches, so that a fixed gradient accumulation of `per_step` ends every
+    step where the plan says."""
+    return [chunk for step in plan for chunk in [*step, *[[]] * (per_step - len(step))]]
 
 
 def micro_batches(

@@ -44,6 +44,10 @@ def rollout_metrics(report: IterationReport) -> dict[str, float]:
         _rollout_part(report, stats)
         | _budget_part(report.result.ledger, report.engine_stats)
         | {"budget/tool_calls": float(report.counters.tool_calls)}
+        | {
+            "train/optimizer_steps": float(report.optimizer_steps),
+            "train/micro_batches_per_step": float(report.micro_batches_per_step),
+        }
         | _tree_part(stats)
         | _engine_part(report)
     )
@@ -141,7 +145,7 @@ def _latest_report(trainer: Trainer) -> IterationReport | None:
     return getattr(_datamodule(trainer), "report", None)
 
 
-# The units a run's cost is counted in (issue 22): peers hold different ones equal (leaves in
+# The units a run's cost is counted in: peers hold different ones equal (leaves in
 # Tree-GRPO, generated tokens in TreeRL, tool calls in ARPO, device time in TreePO). Each is logged per
 # iteration as `budget/<unit>` and cumulatively as `budget/<unit>_cum`; `compare --x <unit>` plots
 # against the running total.
@@ -254,7 +258,7 @@ class RolloutStats(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cum = {k: float(v) for k, v in state_dict.get("cum", {}).items()}
-        if "leaves_cum" in state_dict:  # checkpoints written before the budget units (issue 22)
+        if "leaves_cum" in state_dict:  # checkpoints written before the budget units
             self.cum = {
                 "budget/leaves": float(state_dict["leaves_cum"]),
                 "budget/tokens": float(state_dict["tokens_cum"]),
@@ -375,7 +379,7 @@ class SuccessProbe(Callback):
     was allocated over, with the policy that sampled it (before the epoch trains), outside the budget
     and every training stream (`RolloutCollector.play`): a probed run trains exactly like an unprobed
     one. Logs `probe/*` (`probe_metrics`); `history` keeps (iteration, metrics) for benchmarks. An
-    instrument for judging the predictor (issue 20): it costs `2 * half * data.pool_size` episodes."""
+    instrument for judging the predictor: it costs `2 * half * data.pool_size` episodes."""
 
     def __init__(
         self, every_n_epochs: int = 4, half: int = 8, max_per_prompt: int = 16, seed: int = 2_000_003
@@ -475,7 +479,7 @@ def calibration_metrics(report: IterationReport) -> dict[str, float]:
     out |= binary_scores("predictor/prefix_", *samples["prefix"])
     if len(errors := value_errors(report.result.trees)):
         out["predictor/value_mse"] = float(errors.mean())
-    if (q := report.root_quality) is not None:  # Stage 1's inputs: spread, skill, gate (issues 11, 20)
+    if (q := report.root_quality) is not None:  # Stage 1's inputs: spread, skill, gate
         out["predictor/pool_spread"] = q.pool_spread
         out["predictor/gate"] = float(q.gate_open)
         out |= {

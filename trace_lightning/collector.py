@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
-from trace_lightning.batching import Batching, RolloutBatch, micro_batches
+from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, split_tasks
@@ -70,6 +70,8 @@ class IterationReport:
     root_estimates: np.ndarray | None = None  # [P] what Stage 1 optimised over (after selection)
     # the whole `collect` call: sync, sampling, the refit and the batches' old log-probs (budget/seconds)
     collect_seconds: float = 0.0
+    optimizer_steps: int = 0  # optimizer steps this iteration trains (data.steps_per_iteration)
+    micro_batches_per_step: int = 1  # the gradient accumulation of each of them
 
 
 class Learner(Protocol):
@@ -227,7 +229,7 @@ class RolloutCollector:
         for tree in result.trees:
             wins = bare_outcomes(tree)
             self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
-        batches, gaps = self._batches(local.trees, module, pool, processes)
+        batches, gaps, per_step = self._batches(local.trees, module, pool, processes)
         mismatch_mean, mismatch_max = _mean_max(np.concatenate(processes.all_gather(gaps)))
         self.report = IterationReport(
             iteration=self.iteration,
@@ -247,6 +249,8 @@ class RolloutCollector:
             pool_ids=pool_ids,
             root_estimates=estimates,
             collect_seconds=time.perf_counter() - began,
+            optimizer_steps=len(batches) // per_step,
+            micro_batches_per_step=per_step,
         )
         self.iteration += 1
         return batches
@@ -274,7 +278,7 @@ class RolloutCollector:
 
     def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
         """Successes of `samples` episodes of each task [P] under the current policy: a Monte Carlo
-        estimate of V(prompt), outside the budget (`play`), for gauging the predictor (issue 20)."""
+        estimate of V(prompt), outside the budget (`play`), for gauging the predictor."""
         trees = self.play(module, task_ids, samples, seed)
         return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
 
@@ -354,21 +358,24 @@ class RolloutCollector:
 
     def _batches(
         self, trees: list[RolloutTree], module: Learner, pool: list[RolloutTree], processes: Processes
-    ) -> tuple[list[RolloutBatch], np.ndarray]:
-        """This process's micro-batches (`Batching.plan`) with old log-probs, and |engine - trainer|
-        log-prob gaps on the trained tokens. Every process runs as many micro-batches as the busiest
-        one (DDP synchronises each backward); the others pad with batches that train nothing."""
-        plan = self.batching.plan(trees)
-        count = max(processes.all_gather(len(plan)))
-        batches = micro_batches(plan, trees, count, module.tokenizer.pad_token_id, pool[0].prompt_ids)
+    ) -> tuple[list[RolloutBatch], np.ndarray, int]:
+        """This process's micro-batches (`Batching.plan`) with old log-probs, |engine - trainer|
+        log-prob gaps on the trained tokens, and the micro-batches each optimizer step accumulates.
+        Every step of every process holds as many micro-batches as the busiest one (DDP synchronises
+        each backward); the others pad with batches that train nothing."""
+        plan = self.batching.plan(trees)  # [step][micro-batch] -> leaf sequences
+        steps = max(processes.all_gather(len(plan)))
+        per_step = max(1, max(processes.all_gather(max((len(step) for step in plan), default=0))))
+        layout = step_layout([*plan, *[[]] * (steps - len(plan))], per_step)
+        batches = micro_batches(layout, trees, len(layout), module.tokenizer.pad_token_id, pool[0].prompt_ids)
         gaps = []
-        for batch, chunk in zip(batches, [*plan, *[[]] * (count - len(plan))], strict=True):
+        for batch, chunk in zip(batches, layout, strict=True):
             module.fill_old_logprobs(batch)
             for row, seq in enumerate(chunk):
                 engine = torch.tensor(seq.engine_logprobs)  # [T]
                 known = torch.isfinite(engine)
                 gaps.append((batch.old_logprobs[row, : len(engine)][known] - engine[known]).abs().numpy())
-        return batches, np.concatenate(gaps) if gaps else np.zeros(0)
+        return batches, np.concatenate(gaps) if gaps else np.zeros(0), per_step
 
     # ------------------------------------------------------------------ resume
 
@@ -389,7 +396,7 @@ class RolloutCollector:
         self.rng.bit_generator.state = state["rng"]
         self._sampling_rng = state["torch_rng"]
         self.prior.load_state_dict(state["prior"])
-        if "selection" in state:  # absent in checkpoints written before issue 11
+        if "selection" in state:  # absent in checkpoints written before the selection state
             self.selection.load_state_dict(state["selection"])
         if self.predictor_fit is not None and state.get("predictor_fit") is not None:
             self.predictor_fit.load_state_dict(state["predictor_fit"])

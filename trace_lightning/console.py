@@ -9,11 +9,15 @@ iteration lines go to the log, and the vLLM engine routes vLLM's own logger ther
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -22,7 +26,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from trace_lightning.callbacks import HeldOutSuccess
+from trace_lightning.callbacks import HeldOutSuccess, SuccessProbe
 from trace_lightning.collector import IterationReport
 from trace_lightning.evaluation import EvalResult, paired_change
 from trace_lightning.tree import SUCCESS, tree_stats
@@ -35,6 +39,7 @@ def quiet_known_warnings(world_size: int) -> None:
       of them): vLLM initialises torch.distributed in-process, so Lightning believes a single-process
       run is distributed. Our callbacks already pass sync_dist=True; with one process there is
       nothing to sync, so this is only silenced when `world_size == 1`.
+    - "You have overridden `transfer_batch_to_device`": TraceModule moves its batches itself, on purpose.
     - torch 2.13's FutureWarning on `LeafSpec`, raised inside lightning 2.6 every iteration: nothing a
       user can act on. ("once" does not hold: Python forgets what it showed whenever any code
       changes the warning filters, which Lightning does every epoch.)
@@ -47,6 +52,9 @@ def quiet_known_warnings(world_size: int) -> None:
         )
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+    warnings.filterwarnings(  # TraceModule moves its own batches, by design (module.transfer_batch_to_device)
+        "ignore", message=r"You have overridden `transfer_batch_to_device` in `LightningModule`"
     )
 
 
@@ -94,6 +102,7 @@ class IterationSummary:
     sample_seconds: float
     sync_seconds: float
     train_seconds: float
+    optimizer_steps: int = 0  # optimizer steps trained on this iteration's batches
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
         sample_seconds=report.sample_seconds,
         sync_seconds=report.sync_seconds,
         train_seconds=train_seconds,
+        optimizer_steps=report.optimizer_steps,
     )
 
 
@@ -134,7 +144,7 @@ def summary_text(summary: FitSummary) -> str:
     its = summary.iterations
     if not its:
         return f"TRACE summary: no iteration finished ({_duration(summary.wall_seconds)})."
-    header = "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  sample s  train s"
+    header = "  iter  success  effective  mixed root/prefix  leaves   tokens  turns  steps  sample s  train s"
     shown = its if len(its) <= MAX_ROWS else (*its[: MAX_ROWS // 2], None, *its[-MAX_ROWS // 2 :])
     rows = [_row(it) if it is not None else f"  ... {len(its) - MAX_ROWS} more" for it in shown]
     leaves, tokens = sum(it.leaves for it in its), sum(it.tokens for it in its)
@@ -152,7 +162,7 @@ def summary_text(summary: FitSummary) -> str:
             f"{sum(it.mixed_prefixes for it in its)} turn prefixes",
             f"spent: {leaves} leaves, {tokens:,} generated tokens, "
             f"{sum(it.prefill_tokens for it in its):,} prefill tokens, {sum(it.tool_calls for it in its):,} "
-            f"tool calls",
+            f"tool calls; {sum(it.optimizer_steps for it in its)} optimizer steps",
             f"time: sampling {_duration(sample)}, weight sync {_duration(sync)}, training "
             f"{_duration(train)}, other {_duration(other)}; {summary.wall_seconds / max(leaves, 1):.1f} s "
             "per leaf",
@@ -195,7 +205,8 @@ def _row(it: IterationSummary) -> str:
     mixed = f"{it.mixed_roots} / {it.mixed_prefixes}"
     return (
         f"  {it.iteration:>4}  {it.success_rate:>7.2f}  {it.effective_ratio:>9.2f}  {mixed:>17}  "
-        f"{it.leaves:>6}  {it.tokens:>7,}  {it.turns_mean:>5.2f}  {it.sample_seconds:>8.1f}  "
+        f"{it.leaves:>6}  {it.tokens:>7,}  {it.turns_mean:>5.2f}  {it.optimizer_steps:>5}  "
+        f"{it.sample_seconds:>8.1f}  "
         f"{it.train_seconds:>7.1f}"
     )
 
@@ -213,9 +224,11 @@ def _duration(seconds: float) -> str:
 
 
 class RunSummary(Callback):
-    """Collects each iteration's `IterationSummary` and prints the summary when `fit` ends."""
+    """Collects each iteration's `IterationSummary` and prints the summary when `fit` ends; with
+    `record_path` (conf/callbacks: `<run_dir>/summary.json`) also writes it there (`summary_record`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_path: str | Path | None = None) -> None:
+        self.record_path = None if record_path is None else Path(record_path)
         self.rows: list[IterationSummary] = []
         self._fit_start = self._epoch_start = 0.0
         self._report: IterationReport | None = None
@@ -242,8 +255,43 @@ class RunSummary(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:
             curves = [c.history for c in trainer.callbacks if isinstance(c, HeldOutSuccess)]  # type: ignore[attr-defined]
-            held_out = tuple(curves[0]) if curves else ()
-            print("\n" + summary_text(self.summary(held_out)))
+            summary = self.summary(tuple(curves[0]) if curves else ())
+            print("\n" + summary_text(summary))
+            if self.record_path is not None:
+                probes = [c.history for c in trainer.callbacks if isinstance(c, SuccessProbe)]  # type: ignore[attr-defined]
+                record = summary_record(summary, probes[0] if probes else ())
+                self.record_path.parent.mkdir(parents=True, exist_ok=True)
+                self.record_path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def summary_record(summary: FitSummary, probe: Sequence[tuple[int, dict[str, float]]] = ()) -> dict[str, Any]:
+    """The summary as plain values: every iteration's row, the wall time, the held-out curve with its
+    paired change since the start (`change`, `change_se`) and the largest SE of a point, and the
+    predictor probe's metrics where `callbacks.SuccessProbe` ran (`callbacks=probe`)."""
+    record: dict[str, Any] = {
+        "wall_seconds": summary.wall_seconds,
+        "iterations": [dataclasses.asdict(it) for it in summary.iterations],
+    }
+    if probe:
+        record["probe"] = [{"iteration": i, **metrics} for i, metrics in probe]
+    if summary.held_out:
+        first, last = summary.held_out[0][1], summary.held_out[-1][1]
+        change, change_se = paired_change(first, last)
+        record["held_out"] = {
+            "tasks": len(first.task_ids),
+            "samples": first.samples,
+            "temperature": first.temperature,
+            "curve": [
+                {"iterations": t, "pass_at_1": r.pass_at_1, "pass_at_1_se": r.pass_at_1_se, "turns": r.turns}
+                for t, r in summary.held_out
+            ],
+            "start": first.pass_at_1,
+            "final": last.pass_at_1,
+            "change": change,
+            "change_se": change_se,
+            "point_se_max": max(r.pass_at_1_se for _, r in summary.held_out),
+        }
+    return record
 
 
 # --------------------------------------------------------------------------- the progress bar

@@ -36,6 +36,11 @@ class DataSettings(EpisodeLimits):
     pool_size: int = 12  # candidate prompts scored per iteration
     micro_batch_size: int = 4  # leaf sequences per micro-batch, used only when micro_batch_tokens is null
     micro_batch_tokens: int | None = 2048  # packed tokens per micro-batch (shared tokens once)
+    # Optimizer steps per iteration, whatever the allocator and packing: the iteration's leaves are split
+    # evenly into this many steps, each accumulating the gradients of its micro-batches (the DataModule
+    # sets the Trainer's accumulate_grad_batches). null: one step per micro-batch, so a method whose
+    # trees pack into fewer micro-batches makes fewer steps.
+    steps_per_iteration: int | None = 2
     # Tasks set aside (envs.base.split_tasks with the run's seed, the warm start's rule): never drawn
     # into the pool; callbacks.HeldOutSuccess plays them to draw the learning curve. 0: none.
     held_out: int = 0
@@ -73,7 +78,12 @@ class RolloutDataModule(L.LightningDataModule):
             settings.pool_size,
             settings.held_out,
             settings.limits(),
-            Batching(settings.micro_batch_size, settings.micro_batch_tokens, estimator),
+            Batching(
+                settings.micro_batch_size,
+                settings.micro_batch_tokens,
+                estimator,
+                settings.steps_per_iteration,
+            ),
             cold_start if cold_start is not None else BetaPrior(warmup=0),
             selection if selection is not None else Selection(),
             predictor_fit,  # None: the head learns only from the joint loss
@@ -116,9 +126,14 @@ class RolloutDataModule(L.LightningDataModule):
         samples exactly the iteration an uninterrupted run would. (An empty loader would make
         Lightning stop the whole fit.)
         """
+        self.trainer.accumulate_grad_batches = 1
         if self.trainer.current_epoch < self.collector.iteration:
             return DataLoader([None], batch_size=None, collate_fn=lambda b: b)
         batches = self.build_iteration(self.trainer.lightning_module)
+        report = self.collector.report
+        assert report is not None
+        # this data module owns the accumulation: each optimizer step ends where the plan's steps end
+        self.trainer.accumulate_grad_batches = report.micro_batches_per_step
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=lambda b: b)
 
     def build_iteration(self, module: Learner) -> list[RolloutBatch]:

@@ -50,6 +50,10 @@ class ModuleSettings:
     """The `module` config group: the training step's guard against broken runs."""
 
     max_skipped_steps: int | None = 8  # stop after this many NaN/inf-skipped steps in a row (None: never)
+    # A step whose policy gradient is exactly zero (every advantage in it 0: all its groups agreed) leaves
+    # the policy's weights and Adam moments alone. Without this, AdamW's momentum keeps moving the
+    # weights for several steps on no evidence at all, at the full learning rate.
+    hold_on_zero_gradient: bool = True
 
     def __post_init__(self) -> None:
         if self.max_skipped_steps is not None and self.max_skipped_steps < 1:
@@ -261,7 +265,21 @@ class TraceModule(L.LightningModule):
         self.log("train/skipped_nonfinite_grad", float(not finite))
         if not finite:
             optimizer.zero_grad(set_to_none=True)
+        elif self.settings.hold_on_zero_gradient and self._rollout is None:
+            held = self._hold_if_zero()
+            self.log("train/held_zero_gradient", float(held))
         self._count_skipped(not finite or (self._loss_skipped and not grads))
+
+    def _hold_if_zero(self) -> bool:
+        """Drop the policy's gradients when all are exactly zero (AdamW then skips those parameters: no
+        momentum step); True when it did. The head keeps its own. Gradients are already all-reduced
+        under DDP, so every process decides alike; under FSDP2 (sharded) the check is not made."""
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if not grads or any(bool(g.any()) for g in grads):
+            return False
+        for p in self.policy.parameters():
+            p.grad = None
+        return True
 
     def _count_skipped(self, skipped: bool) -> None:
         """One skipped step is a bad batch; many in a row mean training has broken, so stop and say why."""

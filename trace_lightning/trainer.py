@@ -166,6 +166,13 @@ def check_trainer(trainer: DictConfig) -> None:
             "trainer.use_distributed_sampler=true would split each process's own batches again; set it "
             "to false (conf/trainer/*.yaml do)"
         )
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={accumulate}: the rollout DataModule sets the accumulation "
+            "of every iteration itself; choose the optimizer steps per iteration with "
+            "data.steps_per_iteration=N instead, and remove the override"
+        )
 
 
 def _resume_point(cfg: DictConfig) -> tuple[str | None, dict[str, Any] | None, dict[str, str]]:
