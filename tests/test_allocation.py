@@ -249,3 +249,12 @@ def test_reserved_rollouts_are_kept_and_the_rule_splits_the_rest():
     assert whole.tolist() == [2, 2, 0, 0, 0]  # the slice took the whole budget
     with pytest.raises(BudgetError, match="selection.explore_groups"):
         alloc.uniform(2).allocate_roots(v, Budget(4), np.random.default_rng(0), np.array([2, 2, 2, 0, 0]))
+
+
+@pytest.mark.parametrize("name", ["trace", "trace_root_only", "trace_prefix_only", "random_expand"])
+def test_every_tree_allocator_runs_without_continuations(name):
+    """N = 0 (`allocator.expansion=0`): Stage 1 alone spends every leaf on bare rollouts."""
+    allocator = getattr(alloc, name)(expansion=0)
+    assert allocator.prefixes is None and allocator.n_roots(Budget(12)) == 12
+    counts = allocator.allocate_roots(np.linspace(0.1, 0.9, 8), Budget(12), np.random.default_rng(0))
+    assert counts.sum() == 12

@@ -99,6 +99,14 @@ def test_training_refuses_greedy_decoding(tiny_model_dir):
         SamplingParams(temperature=-0.1)
 
 
+def test_training_refuses_nucleus_truncation(tiny_model_dir):
+    """With top_p < 1 the engine samples from a truncated distribution the trainer's log-probs do not
+    model: every importance ratio would be wrong, so training refuses it (evaluation may use it)."""
+    nucleus = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
+    with pytest.raises(ValueError, match="sampling.top_p=0.9: training needs top_p=1"):
+        make_data(sampling=nucleus)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_engine_vllm_without_vllm_names_the_install_step(tiny_policy):
     from trace_lightning.engines.vllm import VLLMEngine  # the module itself imports without vLLM

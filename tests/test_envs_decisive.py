@@ -25,6 +25,12 @@ def test_task_family_is_heterogeneous_and_splits_never_share_a_task():
     train, held = DecisiveEnv(1000, 200, "train", 0), DecisiveEnv(1000, 200, "heldout", 0)
     assert len(train.tasks()) == 1000 and len(held.tasks()) == 200
     assert not {t.task_id for t in train.tasks()} & {t.task_id for t in held.tasks()}
+
+    # nor a verbatim copy under another id: no held-out task shows and scores what a training task does
+    def key(t):
+        return (t.shown, t.decisive, t.shift, t.tolerance, t.n_letters)
+
+    assert not {key(t) for t in train.decisive_tasks} & {key(t) for t in held.decisive_tasks}
     specs = train.decisive_tasks
     assert {t.turns for t in specs} == {2, 3, 4} and {t.shift for t in specs} == {0, 1, 2, 3}
     assert {t.tolerance for t in specs} == {0, 1} and {t.n_letters for t in specs} == {8, 16}

@@ -99,7 +99,21 @@ def test_only_the_slice_feeds_the_gate():
     trees = [tree_with_bare_outcomes(0, [1, 1], 0.9), tree_with_bare_outcomes(1, [0, 1], 0.5)]
     sel.observe(0, trees, np.array([0.9, 0.5]), {1})
     assert [h[1:] for h in sel.history] == [(0.5, 0.5, 1.0, 2.0)]  # prediction, base rate, wins, rollouts
-    assert sel.base_rate() == 0.75  # all bare rollouts count for the base rate: 3 of 4
+    assert sel.base_rate() == 0.5  # and only the slice's rollouts make the base rate: 1 of 2
+
+
+def test_a_forecast_without_skill_scores_zero_whatever_stage_1_picked():
+    """The slice succeeds 1 in 4; Stage 1's picks (mixed by design) 1 in 2. The constant forecast at the
+    slice's own rate has no skill, so its score against the base rate must be 0. (Were the picks in the
+    base rate, the reference would be 8 of 20 = 0.4 and the same forecast would score 0.11.)"""
+    sel = Selection(explore_groups=2, explore_size=4, gate_skill=0.05, gate_min_samples=8, gate_window=2)
+    for it in range(4):
+        slice_trees = [tree_with_bare_outcomes(i, [1, 0, 0, 0], 0.25) for i in (0, 1)]
+        picked = [tree_with_bare_outcomes(i, [1, 0], 0.25) for i in range(2, 8)]
+        sel.observe(it, slice_trees + picked, np.full(8, 0.25), {0, 1})
+    open_, skill = sel.gate()  # the window's rows (iterations 2, 3) were scored against 0.25
+    assert skill == pytest.approx(0.0, abs=1e-12) and not open_
+    assert sel.base_rate() == 0.25
 
 
 def test_the_slice_reserves_uniformly_drawn_groups():

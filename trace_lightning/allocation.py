@@ -102,7 +102,7 @@ def v_root(v: np.ndarray, m: np.ndarray) -> np.ndarray:
 # V_root(v, 2) / 2 = V_root(v, 3) / 3 = v(1 - v): groups of 2 and 3 tie per rollout, so many optima
 # exist. A bonus far below any real difference in the objective makes the program pick, among
 # (numerically) equal optima, the one that trains the most prompts: more prompts is more contrast per
-# batch for the same expected number of mixed groups (issue 11).
+# batch for the same expected number of mixed groups.
 BREADTH_TIE_BREAK = 1e-9
 
 
@@ -327,7 +327,7 @@ class TreeAllocator:
         if (self.expansion > 0) != (self.prefixes is not None):
             raise BudgetError(
                 f"allocator {self.name}: expansion={self.expansion} needs a prefix rule exactly when "
-                "expansion > 0; set allocator.expansion or allocator.prefixes"
+                "expansion > 0 (the named allocators pass one only then)"
             )
 
     def n_roots(self, budget: Budget) -> int:
@@ -388,7 +388,9 @@ def pcl(group_size: int = 4) -> TreeAllocator:
 
 
 def random_expand(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
-    return TreeAllocator("random_expand", UniformRoots(group_size), RandomPrefixes(), expansion)
+    return TreeAllocator(
+        "random_expand", UniformRoots(group_size), RandomPrefixes() if expansion else None, expansion
+    )
 
 
 def trace(
@@ -405,20 +407,28 @@ def trace(
         raise BudgetError(f"allocator.breadth={breadth} must be >= 0 (0: the spec's objective)")
     per_root = 1 + expansion if count_continuations else 1
     return TreeAllocator(
-        "trace", ActiveRoots(min_group, max_per_prompt, per_root, breadth), ActivePrefixes(), expansion
+        "trace",
+        ActiveRoots(min_group, max_per_prompt, per_root, breadth),
+        ActivePrefixes() if expansion else None,
+        expansion,
     )
 
 
 def trace_root_only(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
     """Table 1 "active root / uniform prefix"."""
     return TreeAllocator(
-        "trace_root_only", ActiveRoots(min_group, max_per_prompt), RandomPrefixes(), expansion
+        "trace_root_only",
+        ActiveRoots(min_group, max_per_prompt),
+        RandomPrefixes() if expansion else None,
+        expansion,
     )
 
 
 def trace_prefix_only(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
     """Table 1 "uniform root / active prefix"."""
-    return TreeAllocator("trace_prefix_only", UniformRoots(group_size), ActivePrefixes(), expansion)
+    return TreeAllocator(
+        "trace_prefix_only", UniformRoots(group_size), ActivePrefixes() if expansion else None, expansion
+    )
 
 
 # --------------------------------------------------------------------------- cold start

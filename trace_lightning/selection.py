@@ -13,7 +13,7 @@ same few and only ever gets labels for what it picked (measured at 85f38aa: belo
   candidates drawn uniformly from the pool before Stage 1 splits the rest. They train like any group,
   and their outcomes are labels the predictor did not choose: the only ones on which its skill can be
   measured (on the prompts it picks, every prediction sits near 0.5, and an oracle scores no better
-  than a constant there: issue 20);
+  than a constant there);
 * a skill gate (`gate_skill`): the predictor steers only while the Brier skill of its predictions on
   the slice's outcomes over the last `gate_window` iterations is at least the threshold, the skill
   being measured against the base rate known when they were made (the share of successes among the
@@ -174,8 +174,8 @@ class Selection:
     # ------------------------------------------------------------------ after the rollouts
 
     def base_rate(self) -> float:
-        """The share of successes among the bare rollouts of the last `gate_window` iterations (0.5
-        before any): the constant forecast the gate's skill is measured against."""
+        """The share of successes among the unbiased slice's bare rollouts of the last `gate_window`
+        iterations (0.5 before any): the constant forecast the gate's skill is measured against."""
         wins, n = sum(o[1] for o in self.outcomes), sum(o[2] for o in self.outcomes)
         return wins / n if n else 0.5
 
@@ -192,7 +192,9 @@ class Selection:
             if tree.task_id in slice_ids and len(outcomes):
                 pred = float(tree.root.predicted)  # type: ignore[arg-type]
                 new.append((iteration, pred, base, float(outcomes.sum()), float(len(outcomes))))
-        wins = [bare_outcomes(t) for t in trees]
+        # The base rate is the slice's own: Stage 1's picks lean towards mixed prompts, so counting them
+        # would set a reference that a forecast with no skill beats (or loses to) by construction.
+        wins = [bare_outcomes(t) for t in trees if t.task_id in slice_ids]
         self.outcomes = [o for o in self.outcomes if o[0] > iteration - self.gate_window]
         total = (float(sum(w.sum() for w in wins)), float(sum(len(w) for w in wins)))
         self.outcomes.append((iteration, *total))
@@ -219,7 +221,7 @@ class Selection:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
-        # Rows of an older gate's evidence (before issue 20: lists for the AUROC gate; then 4 fields)
+        # Rows of an older gate's evidence (first lists for the AUROC gate, then 4 fields)
         # cannot feed this gate, which starts its window empty (tests/test_checkpoint_compat.py).
         rows = [h for h in state["history"] if len(h) == 5]  # (iteration, p, reference, successes, n)
         self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in rows]  # type: ignore[misc]

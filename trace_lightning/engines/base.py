@@ -40,11 +40,19 @@ class SamplingParams:
 
 
 def require_sampling(params: SamplingParams) -> None:
-    """Training samples and scores at a temperature > 0; greedy decoding is for evaluation only."""
+    """Training samples and scores at a temperature > 0 from the whole distribution: greedy decoding
+    is for evaluation only, and with top_p < 1 the sampled tokens come from a truncated distribution
+    that the trainer's log-probs (and so the importance ratios) do not model."""
     if params.temperature <= 0:
         raise ValueError(
             f"sampling.temperature={params.temperature} must be > 0: RL needs sampled rollouts (a greedy "
             "evaluation is eval.temperature=0)"
+        )
+    if params.top_p < 1:
+        raise ValueError(
+            f"sampling.top_p={params.top_p}: training needs top_p=1, since the trainer scores tokens under "
+            "the full distribution and nucleus truncation would make every importance ratio wrong; lower "
+            "sampling.temperature instead"
         )
 
 

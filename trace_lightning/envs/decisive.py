@@ -1,4 +1,4 @@
-"""A multi-turn task family where allocation matters (issue 11's testbed): heterogeneous difficulty and
+"""A multi-turn task family where allocation matters (the allocation testbed): heterogeneous difficulty and
 one decisive turn per task, as text a tiny language model can play.
 
 Each turn shows a letter and the policy answers `<choose>letter</choose>`. On ordinary turns the
@@ -60,21 +60,31 @@ class DecisiveTask:
         return f"{self.shown[turn]}+{self.shift}={self.answer(turn)}"
 
 
-def make_decisive_tasks(n: int, seed: int, first_id: int = 0) -> list[DecisiveTask]:
+def make_decisive_tasks(
+    n: int, seed: int, first_id: int = 0, exclude: frozenset[tuple] = frozenset()
+) -> list[DecisiveTask]:
     """`n` tasks drawn independently: turns 2-4, 8 or 16 letters, shift 0-3 (weights 10/30/30/30%),
-    one mistake allowed for 20%. Decisive letters leave room for the shift (no wrap-around)."""
+    one mistake allowed for 20%. Decisive letters leave room for the shift (no wrap-around). A draw
+    whose `content` is in `exclude` is skipped (the held-out split excludes every training task)."""
     rng = np.random.default_rng(seed)
-    tasks = []
-    for i in range(n):
+    tasks: list[DecisiveTask] = []
+    while len(tasks) < n:
         turns, n_letters = int(rng.integers(2, 5)), int(rng.choice([8, 16]))
         decisive, shift = int(rng.integers(turns)), int(rng.choice(4, p=[0.1, 0.3, 0.3, 0.3]))
         letters = string.ascii_uppercase[:n_letters]
         shown = [letters[int(rng.integers(n_letters))] for _ in range(turns)]
         shown[decisive] = letters[int(rng.integers(n_letters - shift))]
-        tasks.append(
-            DecisiveTask(first_id + i, tuple(shown), decisive, shift, int(rng.random() < 0.2), n_letters)
+        task = DecisiveTask(
+            first_id + len(tasks), tuple(shown), decisive, shift, int(rng.random() < 0.2), n_letters
         )
+        if content(task) not in exclude:
+            tasks.append(task)
     return tasks
+
+
+def content(task: DecisiveTask) -> tuple:
+    """What the policy sees and is scored on, without the id: two tasks with equal content are one task."""
+    return (task.shown, task.decisive, task.shift, task.tolerance, task.n_letters)
 
 
 def render_question(task: DecisiveTask) -> str:
@@ -88,7 +98,8 @@ class DecisiveEnv:
 
     State: `(turn, mistakes)`. A pick that is not one of the task's letters is a format error and
     leaves the state unchanged. `split="heldout"` gives `heldout_tasks` tasks from another seed, with
-    ids after the training ones, so the two sets never share a task.
+    ids after the training ones and none equal to a training task (`content`), so the two sets never
+    share a task, not even a verbatim copy under another id.
     """
 
     name = "decisive"
@@ -107,7 +118,8 @@ class DecisiveEnv:
         if split == "train":
             self.decisive_tasks = make_decisive_tasks(n_tasks, seed)
         else:
-            self.decisive_tasks = make_decisive_tasks(heldout_tasks, seed + 1_000_003, first_id=n_tasks)
+            train = frozenset(content(t) for t in make_decisive_tasks(n_tasks, seed))
+            self.decisive_tasks = make_decisive_tasks(heldout_tasks, seed + 1_000_003, n_tasks, train)
         self.by_id = {t.task_id: t for t in self.decisive_tasks}
         self._tasks = [Task(t.task_id, render_question(t), (t.answer(0),)) for t in self.decisive_tasks]
 
