@@ -127,7 +127,7 @@ def test_generated_problems_have_exact_integer_answers(difficulty):
 
 def test_generator_validates_difficulty():
     with pytest.raises(ValueError, match="env.difficulty"):
-        MathToolEnv(difficulty=4)
+        MathToolEnv(difficulty=6)
 
 
 def test_episode_calculate_then_answer():

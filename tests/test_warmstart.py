@@ -88,7 +88,8 @@ def test_math_tool_demonstrations_replay_to_the_gold_reward(difficulty):
     for demo in demos:
         observations, final = replayed(env, demo)
         assert final.reward == 1.0 and observations == list(demo.observations)
-        assert observations[0] == f"<observation>= {demo.task.answer[0]}</observation>"
+        assert observations[-1] == f"<observation>= {demo.task.answer[0]}</observation>"
+        assert len(demo.actions) == difficulty + 1  # one calculation per step of the story, the answer
     gsm8k_like = Task(0, "Natalia sold clips to 48 of her friends in April.", ("72",))
     assert math_tool_demo(env, gsm8k_like) is None
 

@@ -1,6 +1,6 @@
 """ReAct demonstrations built from each environment's own gold data, for the supervised warm start.
 
-A demonstration is the turns an agent should take: one tool call, then the answer. Its observations
+A demonstration is the turns an agent should take: tool calls, then the answer. Its observations
 are never written by hand: every action is replayed through the real environment, which returns the
 observation (the BM25 tool's real search result, the calculator's real output) and, on the answer,
 the reward. Only demonstrations whose tool result shows the gold and whose answer the environment
@@ -8,8 +8,9 @@ scores 1.0 are kept, so the model is taught to read its answer from the tool, ne
 
 - search_qa: `<search>` the question (or, when that misses, the cited page's title with it), then
   `<answer>` the gold.
-- math_tool (generated problems): `<calculate>` the expression the problem's sentences spell out,
-  then `<answer>` the gold. GSM8K problems are skipped: their text does not determine an expression.
+- math_tool (generated problems): one `<calculate>` per step the problem's sentences spell out, each
+  on the calculator's previous result, then `<answer>` the gold. GSM8K problems are skipped: their
+  text does not determine an expression.
 - bfcl: the entry's ground-truth calls, one `<tool_call>` per turn with the API's real results, and a
   short reply ending each user turn; kept when BFCL's verdict on the whole conversation is 1.0.
 """
@@ -78,30 +79,64 @@ _STEPS = (
 )
 
 
-def generated_expression(question: str) -> str | None:
-    """The arithmetic a generated word problem spells out, step by step ("(12 + 7) * 3"), or None.
+def generated_steps(question: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(starting number, [(operator, number), ...]) that a generated word problem spells out, or None.
 
     Reads the sentences `math_tool.generate_problems` writes; any other text gives None.
     """
     start = _START.match(question)
     if start is None:
         return None
-    expression = start.group(1)
+    steps = []
     for sentence in question.split(". ")[1:]:
         for pattern, op in _STEPS:
             if (m := pattern.search(sentence)) is not None:
-                expression = f"({expression} {op} {m.group(1)})"
+                steps.append((op, m.group(1)))
                 break
+    return start.group(1), steps
+
+
+def generated_expression(question: str) -> str | None:
+    """The arithmetic a generated word problem spells out as one expression ("(12 + 7) * 3"), or None."""
+    read = generated_steps(question)
+    if read is None:
+        return None
+    expression, steps = read
+    for op, number in steps:
+        expression = f"({expression} {op} {number})"
     return expression[1:-1] if expression.startswith("(") else expression
 
 
 def math_tool_demo(env: Any, task: Task) -> Demonstration | None:
-    """Calculate the problem's expression, answer the gold; None for problems we cannot read."""
-    expression = generated_expression(task.question)
-    if expression is None:
+    """One `<calculate>` per step of the story, each on the previous result (the calculator's real
+    output), then the answer; None for problems we cannot read. A story of one step is one call."""
+    read = generated_steps(task.question)
+    if read is None:
         return None
-    demo = replay(env, task, [f"<calculate>{expression}</calculate>", f"<answer>{task.answer[0]}</answer>"])
+    value, steps = read
+    actions: list[str] = []
+    for op, number in steps:
+        actions.append(f"<calculate>{value} {op} {number}</calculate>")
+        shown = _calculated(env, task, actions)
+        if shown is None:
+            return None
+        value = shown
+    if not actions:  # a story with no step: the calculator confirms the number
+        actions.append(f"<calculate>{value}</calculate>")
+    demo = replay(env, task, [*actions, f"<answer>{task.answer[0]}</answer>"])
     return demo if _accept(demo) else None
+
+
+def _calculated(env: Any, task: Task, actions: Sequence[str]) -> str | None:
+    """The number the calculator showed after the last of `actions` (played from the task's start)."""
+    state, observation = env.initial_state(task), ""
+    for action in actions:
+        tr = env.step(task, state, action)
+        if tr.done or tr.tool_error:
+            return None
+        state, observation = tr.state, tr.observation
+    m = re.search(r"= (-?[\d.]+)", observation)
+    return m.group(1) if m else None
 
 
 BFCL_DONE = "Done."  # the reply that ends a user turn whose request the calls fulfilled

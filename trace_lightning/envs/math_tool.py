@@ -109,6 +109,8 @@ _LEVELS = {
     1: (1, (2, 20), (2, 3), ("add", "sub")),
     2: (2, (5, 60), (2, 5), ("add", "sub", "mul")),
     3: (3, (20, 200), (2, 9), ("add", "sub", "mul", "div")),
+    4: (4, (20, 200), (2, 9), ("add", "sub", "mul", "div")),
+    5: (5, (20, 500), (2, 12), ("add", "sub", "mul", "div")),
 }
 
 
@@ -117,12 +119,23 @@ def generate_problems(n: int, difficulty: int = 1, seed: int = 0) -> list[tuple[
 
     Difficulty 1 is one addition or subtraction of numbers up to 20 ("Tom has 12 apples and buys 7
     more."); 2 chains two steps with numbers up to 60 and multiplication; 3 chains three steps with
-    numbers up to 200 and exact division.
+    numbers up to 200 and exact division; 4 chains four such steps; 5 chains five, numbers up to 500.
+    Questions are distinct, so no held-out problem is also a training problem; a level with fewer
+    distinct problems than `n` is refused.
     """
     if difficulty not in _LEVELS:
         raise ValueError(f"env.difficulty must be one of {sorted(_LEVELS)}, got {difficulty}")
     rng = random.Random(seed)
-    return [_problem(rng, difficulty) for _ in range(n)]
+    problems: dict[str, str] = {}
+    for _ in range(20 * n):
+        question, gold = _problem(rng, difficulty)
+        problems.setdefault(question, gold)
+        if len(problems) == n:
+            return list(problems.items())
+    raise ValueError(
+        f"env.n_tasks={n}: difficulty {difficulty} has only about {len(problems)} distinct problems; "
+        "ask for fewer tasks or a higher env.difficulty"
+    )
 
 
 def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
@@ -221,6 +234,8 @@ class MathToolEnv:
 
     State: `(tool calls so far,)`. The episode ends on `<answer>`; the runner caps the turns. With
     `python_tool=True` the model may also write `<python>code</python>`, run under `sandbox` limits.
+    `held_out`: how many tasks the seeded split sets aside for evaluation (`data.held_out` and the warm
+    start's `held_out` read it from the config); the env only checks it.
     """
 
     name = "math_tool"
@@ -237,6 +252,7 @@ class MathToolEnv:
         seed: int = 0,
         python_tool: bool = False,
         sandbox: SandboxLimits | None = None,
+        held_out: int = 16,
     ) -> None:
         # `env.sandbox` (the config always has one) only matters with env.python_tool=true
         if sandbox is not None and not isinstance(sandbox, SandboxLimits):
@@ -257,6 +273,9 @@ class MathToolEnv:
         else:
             raise ValueError(f"env.source must be 'generated' or 'gsm8k', got {source!r}")
         self._tasks = [Task(i, question, (gold,)) for i, (question, gold) in enumerate(problems)]
+        if held_out < 0:  # only checked: data.held_out and the warm start read it (and split the tasks)
+            raise ValueError(f"env.held_out={held_out} must be >= 0 (tasks set aside for evaluation)")
+        self.held_out = held_out
 
     def tasks(self) -> Sequence[Task]:
         return self._tasks
