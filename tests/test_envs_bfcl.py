@@ -389,7 +389,8 @@ def test_80_20_split_by_entry_is_seeded_and_the_configs_agree():
     with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):
         assert compose("train", overrides=["env=bfcl"]).data.held_out == 40
         assert compose("warmstart", overrides=["env=bfcl"]).held_out == 40
-        assert compose("train").data.held_out == 16  # other envs keep the default
+        assert compose("train").data.held_out == 200  # the default job's math_tool holds out its own 200
+        assert compose("train", overrides=["env=search_qa"]).data.held_out == 16  # envs without a split
     with pytest.raises(ValueError, match="env.held_out"):
         BFCLEnv("base", held_out=200)
 

@@ -79,7 +79,7 @@ def test_evaluate_a_saved_run_without_training(trained_run, tmp_path):
     assert newest is not None and newest.parent == run_dir / "checkpoints"
     cfg = compose_cfg(
         "evaluate", trained_run, f"run_dir={tmp_path}/eval", f"ckpt_path={run_dir}", "data.held_out=4",
-        "eval.samples=3", "eval.k=2",
+        "eval.samples=3", "eval.k=2", "eval.temperature=null",  # the training temperature (default: greedy)
     )  # fmt: skip
     result, out = evaluate(cfg)
     assert len(result.task_ids) == 4 and result.samples == 3 and result.k == 2 and result.episodes == 12
@@ -136,6 +136,7 @@ def test_the_evaluate_command_logs_to_mlflow(tmp_path):
         f"output_root={tmp_path}",
         f"run_dir={tmp_path}/e",
         "eval.samples=2",
+        "eval.temperature=null",  # sampled at the training temperature (the default is greedy)
         "env.n_tasks=12",
         "data.held_out=4",
     ]
