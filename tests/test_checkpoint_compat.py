@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 import trace_lightning.checkpoints as package
 from trace_lightning import config, trainer
-from trace_lightning.checkpoints import CheckpointError
+from trace_lightning.checkpoints import CheckpointError, fingerprint
 from trace_lightning.checkpoints.files import Manifest
 from trace_lightning.checkpoints.fingerprint import same_group
 
@@ -39,31 +40,21 @@ ADAPTERS = {
 }
 
 
-def test_old_import_paths_name_the_same_objects() -> None:
+def test_old_module_paths_resolve_to_the_same_objects_without_the_old_files() -> None:
+    """The modules that moved have no file at their old path; a fingerprint's old `_target_` still names
+    the same object through `fingerprint.MOVED`."""
     old = {
         "trace_lightning.checkpoint_io": ("AtomicCheckpointIO", "plain_state"),
         "trace_lightning.checkpoint_files": ("Manifest", "digest_path", "write_atomic", "pid_alive"),
         "trace_lightning.checkpoint_shards": ("validate_folder", "write_digests", "INDEX_GLOBALS"),
-        "trace_lightning.checkpoints": ("CheckpointError", "validate_checkpoint", "newest_valid_checkpoint"),
-    }
-    new = {
-        "AtomicCheckpointIO": "plugin",
-        "plain_state": "plugin",
-        "Manifest": "files",
-        "digest_path": "files",
-        "write_atomic": "files",
-        "pid_alive": "files",
-        "validate_folder": "shards",
-        "write_digests": "shards",
-        "INDEX_GLOBALS": "shards",
-        "CheckpointError": "scan",
-        "validate_checkpoint": "validate",
-        "newest_valid_checkpoint": "validate",
+        "trace_lightning.envs.jail": ("JailUnavailableError",),
+        "trace_lightning.envs.sandbox_worker": ("PROGRAM", "STARTED"),
     }
     for module, names in old.items():
+        assert importlib.util.find_spec(module) is None, f"{module} should be gone"
+        new = importlib.import_module(fingerprint.MOVED[module])
         for name in names:
-            moved = importlib.import_module(f"trace_lightning.checkpoints.{new[name]}")
-            assert getattr(importlib.import_module(module), name) is getattr(moved, name), (module, name)
+            assert fingerprint._resolve(f"{module}.{name}") is getattr(new, name), (module, name)
 
 
 def _imports(path: Path) -> tuple[set[str], list[str]]:

@@ -219,13 +219,10 @@ def test_captures_keep_the_head_of_stdout_and_the_tail_of_stderr() -> None:
     os.close(write)
 
 
-def test_the_old_module_paths_are_the_new_modules() -> None:
+def test_the_sandbox_package_exports_and_its_public_target() -> None:
     """`trace_lightning.envs.sandbox.SandboxLimits` is a Hydra _target_, part of checkpoint fingerprints."""
-    import trace_lightning.envs.jail as old_jail
-    import trace_lightning.envs.sandbox_worker as old_worker
-    from trace_lightning.envs.sandbox import jail, limits, run, worker
+    from trace_lightning.envs.sandbox import jail, limits, run
 
-    assert old_jail is jail and old_worker is worker
     assert hydra.utils.get_class("trace_lightning.envs.sandbox.SandboxLimits") is limits.SandboxLimits
     for name in ("SandboxResult", "UNSAFE_NO_JAIL", "JAILS"):
         assert getattr(sandbox_package, name) is getattr(limits, name)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import DDP_WORKER
 
-from trace_lightning.checkpoint_files import Manifest
 from trace_lightning.checkpoints import newest_valid_checkpoint, validate_checkpoint
+from trace_lightning.checkpoints.files import Manifest
 
 STUCK_WORKER = Path(__file__).with_name("stuck_worker.py")
 

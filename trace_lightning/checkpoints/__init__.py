@@ -4,7 +4,7 @@ Loading never unpickles an arbitrary object: the pickle inside a checkpoint is r
 (nothing executes) and every global it imports must be allow-listed before `torch.load(weights_only=
 True)` runs. A SHA-256 digest written beside each file, a fingerprint of the config that wrote it and
 a manifest of the run's files say whether it may be resumed from. Every file is read once into
-memory, and its digest, its scan and its load all use those bytes (issue 23).
+memory, and its digest, its scan and its load all use those bytes.
 
 Resume is exact from an iteration boundary: the checkpoint written at the end of an epoch holds the
 weights, optimizer, scheduler, callbacks and the DataModule state (allocation RNG, the torch RNG the
@@ -13,8 +13,8 @@ uninterrupted run would have sampled. A SIGTERM checkpoint is taken at a batch b
 iteration; resuming from it drops the rest of that iteration's batches (see
 `RolloutDataModule.train_dataloader`) and continues with the next iteration.
 
-The modules, each importing only those above it (issue 25 opened the circle between the old
-`checkpoints.py` and `checkpoint_shards.py` by moving what they share into `scan`):
+The modules, each importing only those above it (moving what the old `checkpoints.py` and
+`checkpoint_shards.py` shared into `scan` opened the circle between them):
 - `scan`: `CheckpointError` and the allow-list scan of a pickle;
 - `fingerprint`: whether a stored config fingerprint still describes this run, across upgrades;
 - `files`: the files beside a checkpoint (digest, manifest, temporary files), atomic small writes;
@@ -26,8 +26,9 @@ The modules, each importing only those above it (issue 25 opened the circle betw
 - `export`: `ModelArtifact`, the trained weights logged to MLflow once per run;
 - `convert`: `python -m trace_lightning.checkpoints.convert`, a sharded folder as one file.
 
-The old module paths (`trace_lightning.checkpoint_io`, `checkpoint_files`, `checkpoint_shards`) stay
-importable. A checkpoint on SIGTERM or SIGINT is `stopping.StopOnSignal`'s.
+A checkpoint whose config names an old module path (`trace_lightning.checkpoint_io`, `checkpoint_files`,
+`checkpoint_shards`) still resumes: `fingerprint.MOVED` maps them here. A checkpoint on SIGTERM or
+SIGINT is `stopping.StopOnSignal`'s.
 """
 
 from trace_lightning.checkpoints.plugin import AtomicCheckpointIO, plain_state

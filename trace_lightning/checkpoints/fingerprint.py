@@ -1,8 +1,8 @@
 """Whether a checkpoint's config fingerprint still describes this run, across a move of the code.
 
 A fingerprint is, per config group (model, adapter, allocator, env, predictor), the group as canonical
-JSON. A `_target_` path that names the same object as today's (a module moved, its old path kept
-importable; issue 25) does not change what a checkpoint means, so a checkpoint written before the move
+JSON. A `_target_` path that names the same object as today's (a module moved: `MOVED` maps its old
+path to the new one) does not change what a checkpoint means, so a checkpoint written before the move
 still resumes. Only paths inside `trace_lightning` are imported to check: a checkpoint is untrusted
 input, and importing a module it names could run code. Any other difference, a setting added since
 included (its default may not be what the trainer did then), is one `validate.check_resumable` names,
@@ -20,6 +20,14 @@ import json
 from typing import Any
 
 _OWN = "trace_lightning."
+# Modules that moved, old path -> new: a stored `_target_` under an old path resolves to the new module.
+MOVED = {
+    "trace_lightning.checkpoint_io": "trace_lightning.checkpoints.plugin",
+    "trace_lightning.checkpoint_files": "trace_lightning.checkpoints.files",
+    "trace_lightning.checkpoint_shards": "trace_lightning.checkpoints.shards",
+    "trace_lightning.envs.jail": "trace_lightning.envs.sandbox.jail",
+    "trace_lightning.envs.sandbox_worker": "trace_lightning.envs.sandbox.worker",
+}
 
 
 def same_group(stored: str | None, now: str | None) -> bool:
@@ -52,9 +60,17 @@ def _same_target(stored: Any, now: Any) -> bool:
     return old is not None and old is new
 
 
+def moved(path: str) -> str:
+    """`path` with a moved module's old name replaced by its new one (`MOVED`)."""
+    for old, new in MOVED.items():
+        if path == old or path.startswith(old + "."):
+            return new + path[len(old) :]
+    return path
+
+
 def _resolve(path: str) -> Any:
     """The object a dotted path names (module attribute, or a class's attribute), or None."""
-    parts = path.split(".")
+    parts = moved(path).split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:split]))

@@ -1,4 +1,4 @@
-"""The python tool's jail: model-written programs run in bubblewrap, in a cgroup per call (issue 23).
+"""The python tool's jail: model-written programs run in bubblewrap, in a cgroup per call.
 
 - `limits.py`: `SandboxLimits` (config group `env.sandbox`) and `SandboxResult`;
 - `run.py`: `run_python`, `check_sandbox` (fail closed at start-up), `format_observation`;
@@ -6,9 +6,9 @@
   /proc and /usr, and the scratch's file cap; `cgroup.py`: the call's cgroup (v1 or v2);
   `output.py`: stdout and stderr through bounded pipes; `worker.py`: the launcher that runs in the jail.
 
-Old paths stay importable: `trace_lightning.envs.sandbox.SandboxLimits` is a Hydra `_target_` (part of
-checkpoint fingerprints), and `trace_lightning.envs.jail` and `trace_lightning.envs.sandbox_worker` are
-this package's `jail` and `worker` modules.
+`trace_lightning.envs.sandbox.SandboxLimits` is a Hydra `_target_` (part of checkpoint fingerprints) and
+keeps that path; the old `trace_lightning.envs.jail` and `envs.sandbox_worker` paths resolve to this
+package's `jail` and `worker` in a checkpoint's fingerprint (`checkpoints.fingerprint.MOVED`).
 """
 
 from trace_lightning.envs.sandbox.jail import JailUnavailableError
