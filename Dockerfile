@@ -17,7 +17,8 @@
 # profiles forbid the namespaces it makes, so the tool refuses to start unless the container runs with
 # `--security-opt seccomp=unconfined --security-opt apparmor=unconfined` (or a profile allowing them).
 # It also makes a cgroup per call below its own (memory, pids, cpu), so the container's cgroup tree must be
-# writable by the trainer (README "The `python` tool's jail", "Fail closed"); otherwise it refuses to start.
+# writable by the trainer (docs/reliability.md, "The `python` tool's jail", "Fail closed"); otherwise it
+# refuses to start.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1

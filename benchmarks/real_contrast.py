@@ -153,7 +153,7 @@ def main() -> None:
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-5)
     module = bench_module(prepare_smollm2(), optimizer, sampling_of(args), adapter=lora, width=64)
     # SmolLM2-135M rarely writes action tags: a reply without one is its final answer, scored by whether
-    # it contains the gold answer (EM on a sentence would always be 0). See README "real model".
+    # it contains the gold answer (EM on a sentence would always be 0). See docs/search-qa.md.
     env = SearchQAEnv(split="answerable", reward="contains", untagged_reply="answer")
     print(f"model + env ready in {time.perf_counter() - t0:.1f} s; warm-up ...", flush=True)
     warm = make_data(args, alloc.uniform(4), env)

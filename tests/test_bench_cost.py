@@ -1,6 +1,6 @@
 """Quick mode of the cost-profile benchmark, so that the script cannot rot.
 
-Each runs the real script in a subprocess (as the README commands do) and checks invariants of what it
+Each runs the real script in a subprocess (as the documented commands do) and checks invariants of what it
 measured, never the measured numbers themselves.
 """
 

@@ -63,7 +63,7 @@ print(_escape(), flush=True)
 
 @dataclass(frozen=True)
 class Hostile:
-    kind: str  # the class of attack (a row of the README's table)
+    kind: str  # the class of attack (a row of docs/reliability.md's table)
     name: str
     code: str  # a string.Template: $canary, $port, $victim, ... (see World.fill)
     shows: str | None = None  # in the observation: the attempt ran and the kernel refused it
@@ -438,7 +438,7 @@ HOSTILE = [
 ]
 
 
-KINDS = (  # the README's table, in its order
+KINDS = (  # docs/reliability.md's table, in its order
     "read host files",
     "audit-hook bypasses",
     "write outside scratch",

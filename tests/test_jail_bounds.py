@@ -42,7 +42,7 @@ CAPPED_FILES = os.geteuid() == 0  # the trainer may set the scratch's nr_inodes 
 
 @dataclass(frozen=True)
 class Greedy:
-    kind: str  # the README row
+    kind: str  # the row in docs/reliability.md
     name: str
     code: str
     shows: str | None = None  # in the observation
@@ -241,7 +241,7 @@ def test_the_table_covers_every_class_of_the_issue() -> None:
     }
 
 
-# -- the README's figures: the most one call took at the default limits ------------------------------
+# -- docs/reliability.md's figures: the most one call took at the default limits ----------------------
 
 _SOCKET_FLOOD = """
 import os, socket, time
@@ -285,7 +285,7 @@ AT_DEFAULTS = {
 def test_at_the_default_limits_a_call_takes_at_most_its_memory_limit(resource: str) -> None:
     """With `SandboxLimits()` (512 MB, 32 processes, 64 MB scratch, 5 s): 30 children touching 180 MB each,
     30 processes filling unix socket buffers, fallocate of 8 GiB on stdout and stderr plus a full scratch,
-    and a file flood. Run with `-s` to see the figures the README quotes."""
+    and a file flood. Run with `-s` to see the figures docs/reliability.md quotes."""
     require_bwrap()
     limits = SandboxLimits(audit_hook=False)
     env = MathToolEnv(n_tasks=1, python_tool=True, sandbox=limits)

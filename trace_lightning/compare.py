@@ -167,7 +167,7 @@ def run_summary(client: MlflowClient, run: Run, metric: str = HELD_OUT) -> dict[
     row: dict[str, Any] = {
         "run": run.info.run_name or "",
         "id": run_id[:SHORT_ID],
-        "base_model": tags.get("base_model", tags.get("model", "")),  # runs before issue 22: "model"
+        "base_model": tags.get("base_model", tags.get("model", "")),  # older runs tag "model"
         **{tag: tags.get(tag, "") for tag in TAGS[1:]},
         name: _last(values),
         f"{name}_se": _last(list(history(client, run_id, f"{metric}_se").values())),

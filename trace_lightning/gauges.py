@@ -1,4 +1,4 @@
-"""How good the predictor is, measured against outcomes it did not choose (issue 20).
+"""How good the predictor is, measured against outcomes it did not choose.
 
 Two sources of such outcomes: a Monte Carlo probe (S episodes of every pool candidate, outside the
 budget: `collector.RolloutCollector.probe`) and the unbiased slice of Stage 1 (groups on uniformly

@@ -76,7 +76,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """ModelParallelStrategy's load, but from the bytes that were checked (issue 23): the folder as
+        """ModelParallelStrategy's load, but from the bytes that were checked: the folder as
         `validate_checkpoint` saw it (at build, or now), each file read once and used only if its digest
         is unchanged, with no `pickle.load` or `torch.load(weights_only=False)` (checkpoints/shards.py)."""
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -1,4 +1,4 @@
-"""A run that can be stopped: SIGTERM or SIGINT ends every process within a deadline (issue 21).
+"""A run that can be stopped: SIGTERM or SIGINT ends every process within a deadline.
 
 What happens when a process receives SIGTERM or SIGINT while fitting:
 

@@ -1,4 +1,4 @@
-"""The trained weights as one loadable MLflow artifact per run (issue 22), not a copy of every checkpoint.
+"""The trained weights as one loadable MLflow artifact per run, not a copy of every checkpoint.
 
 Lightning's `MLFlowLogger(log_model=True)` copied each iteration's checkpoint (564 MB for SmolLM2,
 base weights included) into the artifact store. `ModelArtifact` instead writes, when fit ends,

@@ -2,7 +2,7 @@
 
 A checkpoint folder holds, for every checkpoint `<name>.ckpt` a run wrote, a digest `<name>.ckpt.sha256`
 and one entry in `manifest.json` (oldest first), which also names the run that owns the folder. An
-entry is a plain name in that folder, never a path or a link out of it (issue 23: a `../`, absolute
+entry is a plain name in that folder, never a path or a link out of it (a `../`, absolute
 or symlinked entry led `ckpt_path=last` into another run's checkpoint). Every
 one of these files is written to `.<name>.tmp-<pid>` and renamed into place, so a crash leaves either
 the old file or the new one, plus at worst a temporary file that `clean_stale_temps` removes later.

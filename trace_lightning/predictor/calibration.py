@@ -1,4 +1,4 @@
-"""Platt scaling of the head's predictions on outcomes it had not seen (issue 20; our choice).
+"""Platt scaling of the head's predictions on outcomes it had not seen (our choice).
 
 The head is refitted every iteration on few, noisy, recent labels, and measured online it was
 over-confident: its Brier score was worse than the base rate's (0.309 against 0.223). A two-parameter

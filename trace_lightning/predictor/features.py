@@ -1,4 +1,6 @@
-"""What the head reads at a turn prefix: the policy's (or a companion LM's) final hidden states.
+"""What the head reads at a turn prefix. By default (`PredictorSettings`) hashed uni- and bigrams of the
+prefix's text and the prompt's posterior features, which do not drift as the policy trains; with
+`predictor.policy_features=true`, also the policy's (or a companion LM's) final hidden states.
 
 `PrefixScorer` is handed the rollout model and runs each rollout once: attention is causal, so the
 state at the end of turn t has seen exactly H_t, and one forward pass over a bare rollout reads every
@@ -27,7 +29,7 @@ def ngram_features(token_ids: Sequence[int], buckets: int) -> torch.Tensor:
     """Presence of the prefix's token unigrams and bigrams, hashed into `buckets` columns [buckets].
 
     Text features do not drift as the policy trains (its hidden states do), so a predictor on them
-    keeps what it learned about a prompt's wording (issue 20). The hash is a fixed affine map per
+    keeps what it learned about a prompt's wording. The hash is a fixed affine map per
     n-gram, the same in every process and run. Example: ids [5, 7], 8 buckets -> columns 5 % 8,
     7 % 8 and (5 * 1_000_003 + 7 + 1) % 8 set to 1."""
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -47,7 +49,7 @@ class PrefixScorer:
     `policy_features=False` leaves the states out. With `posterior_features` the collector inserts the
     prompt's posterior statistics after the policy states (`IterationScorer`).
 
-    Why the mean (issue 11, measured on benchmarks/learning.py's testbed): the last token's state is
+    Why the mean (measured on benchmarks/learning.py's testbed): the last token's state is
     about what comes next, not about the task; a head fitted to 150 prompts on it correlated 0.41 with
     their success, on the mean 0.75.
     """

@@ -38,7 +38,7 @@ class PredictorFit:
     minibatch steps of weighted MSE run with the head's own AdamW, whose state is checkpointed here.
     `steps = 0` disables the refit (the head then learns only from the joint loss, `predictor.coef`).
     With `label_decay` < 1 an entry's weights shrink by that factor per iteration of age: the policy
-    has moved since older labels were drawn (issue 20).
+    has moved since older labels were drawn.
     """
 
     steps: int = 50

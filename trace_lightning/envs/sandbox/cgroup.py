@@ -1,4 +1,4 @@
-"""One cgroup per call of the python tool: memory, processes and CPU bounded for the whole call (issue 23).
+"""One cgroup per call of the python tool: memory, processes and CPU bounded for the whole call.
 
 rlimits bind each process alone, so 12 children held 2.4 GiB, SysV shared memory held 1.2 GiB that no
 process counted, and 781,000 empty files grew kernel memory by 780 MiB. A cgroup binds them together:

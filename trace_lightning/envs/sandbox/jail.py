@@ -51,7 +51,7 @@ _DENIED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
     "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "syslog", "acct", "quotactl",
     "iopl", "ioperm", "lookup_dcookie", "fanotify_init",
-    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",  # SysV IPC (issue 23)
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",  # SysV IPC
     "msgget", "msgsnd", "msgrcv", "msgctl", "ipc",
 )
 # fmt: on

@@ -55,7 +55,7 @@ class SandboxLimits:
 
 
 # The class's public path: Hydra's `_target_` (config.schema_of reads `__module__`) is part of the checkpoint
-# fingerprint, and checkpoints written before the jail moved into this package name this path (issue 25).
+# fingerprint, and checkpoints written before the jail moved into this package name this path.
 SandboxLimits.__module__ = "trace_lightning.envs.sandbox"
 
 

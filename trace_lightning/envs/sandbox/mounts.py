@@ -1,4 +1,4 @@
-"""What the jail's file system shows of the host, and the scratch's file cap (issue 23).
+"""What the jail's file system shows of the host, and the scratch's file cap.
 
 - `/proc`: a new procfs shows the jail's own processes, but its top-level files are host-wide: the kernel
   command line, disk counters, interrupts, slab and zone figures, lock tables, and under `/proc/sys` the

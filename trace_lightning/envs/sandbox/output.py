@@ -1,7 +1,7 @@
 """The program's stdout and stderr: pipes the trainer drains while the call runs, keeping a bounded part.
 
 They used to be temp files on the host, where `fallocate` on stdout took 8 GiB of the trainer's disk in
-0.02 s, RLIMIT_FSIZE notwithstanding (issue 23). Now nothing the program writes reaches a host file: the
+0.02 s, RLIMIT_FSIZE notwithstanding. Now nothing the program writes reaches a host file: the
 trainer keeps the head of stdout and the tail of stderr, `keep` bytes each, reads at most `MAX_PIPE_BYTES`
 of a pipe and then closes it, so a program that prints on and on gets EPIPE (Python: BrokenPipeError)
 rather than the trainer's CPU time.
