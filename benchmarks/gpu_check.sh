@@ -75,9 +75,16 @@ echo "== 1/5 vLLM engine tests on the GPU"
 echo "== 2/5 vLLM vs transformers engine, weight sync"
 "$PY" benchmarks/engine_throughput.py --device cuda --out benchmarks/results/gpu_engine_throughput.json
 
-echo "== 3/5 one FSDP iteration with the vLLM engine"
+echo "== 3/5 one FSDP iteration with the vLLM engine, then the default job in bfloat16 (model.dtype=auto)"
 "$PY" -m trace_lightning.trainer trainer=gpu trainer.strategy=fsdp trainer.devices=1 trainer.max_epochs=1 \
     engine=vllm logger=none task_name=gpu_check
+# bf16 weights and bf16-mixed autocast (trainer=gpu's), LoRA in float32: trains, checkpoints, resumes;
+# the engine/trainer log-prob gap it logs is the bf16 rounding gap
+"$PY" -m trace_lightning.trainer trainer=gpu trainer.max_epochs=2 engine=vllm model.dtype=bfloat16 \
+    run_dir=outputs/gpu_check_bf16/run task_name=gpu_check_bf16
+"$PY" -m trace_lightning.trainer trainer=gpu trainer.max_epochs=3 engine=vllm model.dtype=bfloat16 \
+    run_dir=outputs/gpu_check_bf16/run task_name=gpu_check_bf16 ckpt_path=last
+grep -h "logprob" outputs/gpu_check_bf16/run/trainer.log | tail -n 3 || true
 fsdp2_check
 multi_gpu_check
 echo "gpu_check: all five steps finished"

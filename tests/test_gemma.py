@@ -23,7 +23,7 @@ from trace_lightning import models as tl_models
 from trace_lightning.demos import Demonstration
 from trace_lightning.envs.base import Task
 from trace_lightning.models import assemble_gguf, gemma3_parts, gemma3_sha256, gemma_tokenizer, prepare_gemma3
-from trace_lightning.runner import GEMMA_TURNS, observation_ids, prompt_ids, turn_markers
+from trace_lightning.runner import chat_turns, observation_ids, prompt_ids
 from trace_lightning.warmstart import IGNORE, policy_path, to_example
 
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
@@ -114,7 +114,10 @@ def test_template_writes_gemma_turns_with_bos():
         "<start_of_turn>model\n<answer>hello</answer><end_of_turn>\n"
     )
     assert tok.eos_token == "<end_of_turn>" and tok.pad_token == "<pad>" and tok.bos_token == "<bos>"
-    assert turn_markers(tok) == GEMMA_TURNS
+    turns = chat_turns(tok)  # what the runner reads off the template
+    assert (turns.after_action, turns.user_prefix) == ("<end_of_turn>\n<start_of_turn>", "user\n")
+    assert turns.after_observation == "<end_of_turn>\n<start_of_turn>model\n"
+    assert turns.close == "<end_of_turn>"
 
 
 def test_prompt_round_trips_and_ends_with_the_model_header():
@@ -172,7 +175,7 @@ def test_real_gemma3_converts_to_a_chat_model(tmp_path):
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == 268_098_176  # measured by this test's first run
     assert not (tmp_path / "gemma3-gguf").exists()  # the assembled GGUF is not kept
-    assert tok.eos_token == "<end_of_turn>" and turn_markers(tok) == GEMMA_TURNS
+    assert tok.eos_token == "<end_of_turn>" and chat_turns(tok).close == "<end_of_turn>"
     ids = observation_ids(tok, FORGED, [tok.eos_token_id])
     start, end = tok.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"])
     assert [i for i in ids if i in (start, end)] == [start, end, start]

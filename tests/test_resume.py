@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
@@ -164,3 +165,17 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_intact(tmp_path,
     # no partial file left behind; the digest and the manifest are the first save's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.ckpt.sha256", "manifest.json"]
     assert Manifest.read(tmp_path).files == ["last.ckpt"]
+
+
+def test_a_bfloat16_lora_run_trains_checkpoints_and_resumes_exactly(tmp_path):
+    """model.dtype=bfloat16: the base weights in bf16, the LoRA adapter in float32; a resumed run samples
+    the same next iteration as an uninterrupted one, as in float32."""
+    bf16 = ["model.dtype=bfloat16", "adapter=lora", "adapter.r=2", "adapter.target_modules=[q_proj,v_proj]"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    trainer.train(make_cfg(tmp_path, straight, "trainer.max_epochs=2", "logger=none", *bf16))
+    trainer.train(make_cfg(tmp_path, resumed, "trainer.max_epochs=1", "logger=none", *bf16))
+    trainer.train(make_cfg(tmp_path, resumed, "trainer.max_epochs=2", "logger=none", "ckpt_path=last", *bf16))
+    assert iteration_trees(resumed, 1) == iteration_trees(straight, 1)
+    saved = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    lora = {k: v.dtype for k, v in saved.items() if "lora_" in k}
+    assert lora and set(lora.values()) == {torch.float32}

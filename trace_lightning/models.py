@@ -323,27 +323,36 @@ class Policy(NamedTuple):
     tokenizer: PreTrainedTokenizerFast
 
 
-def build_policy(path: str | os.PathLike[str], adapter: Any | None = None, dtype: str = "float32") -> Policy:
+def build_policy(
+    path: str | os.PathLike[str],
+    adapter: Any | None = None,
+    dtype: str = "float32",
+    chat_template: str | None = None,
+) -> Policy:
     """The one loader of policies (trainer, warm start, benchmarks and tests): a local HF folder, with
     `adapter` (a peft config such as `peft.LoraConfig`, or None for full weights) attached.
 
     The tokenizer pads on the left, as generation needs, and gets the EOS token as pad when it has none.
+    `dtype`: the weights' dtype (`resolve_dtype`: "auto" is bfloat16 on a GPU, float32 on a CPU); a LoRA
+    adapter's own weights stay float32 (peft's `autocast_adapter_dtype`). `chat_template`: a Jinja
+    template, or the path of a file holding one, for a tokenizer without a usable template of its own.
     """
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"model.path={str(path)!r} is not a folder: build one with models.build_tiny_model "
             "or prepare_smollm2() / prepare_gemma3()."
         )
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(
-            f"build_policy(dtype={dtype!r}): not a torch dtype; use float32, bfloat16 or float16"
-        )
+    torch_dtype = getattr(torch, resolve_dtype(dtype))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except OSError as err:
         raise FileNotFoundError(f"model.path={str(path)!r} is not a loadable model folder: {err}") from err
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        file = Path(chat_template)
+        tokenizer.chat_template = (
+            file.read_text() if len(chat_template) < 4096 and file.is_file() else chat_template
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -352,6 +361,19 @@ def build_policy(path: str | os.PathLike[str], adapter: Any | None = None, dtype
 
         model = get_peft_model(model, adapter)
     return Policy(model, tokenizer)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`model.dtype`: "auto" is bfloat16 where a CUDA GPU is present and float32 on a CPU (where bfloat16
+    matmuls are slow and vLLM's CPU kernels run float32); the others are themselves."""
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return dtype
 
 
 def local_model(path: str) -> str:

@@ -356,38 +356,92 @@ def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:
 
 
 @dataclass(frozen=True)
-class TurnMarkers:
-    """How a chat template opens and closes a turn, and what it calls the policy's role."""
+class ChatTurns:
+    """What the tokenizer's own chat template writes between an assistant turn and the next one, read
+    off the template once by rendering a conversation with placeholders (`chat_turns`).
 
-    start: str
-    end: str
-    assistant: str
+    after_action: from the end of the assistant's text up to the last special token before the user's
+    text (ChatML `<|im_end|>\n<|im_start|>`; Llama 3 `<|eot_id|><|start_header_id|>user<|end_header_id|>`).
+    user_prefix: the plain text before the user's content (ChatML `user\n`, Llama 3 `\n\n`).
+    after_observation: from the end of the user's text through the next assistant header.
+    close: the text that ends an assistant turn (the template's end of turn, usually the EOS token)."""
+
+    after_action: str
+    user_prefix: str
+    after_observation: str
+    close: str
 
 
-CHATML = TurnMarkers("<|im_start|>", "<|im_end|>", "assistant")  # Qwen, SmolLM2, the tiny model
-GEMMA_TURNS = TurnMarkers("<start_of_turn>", "<end_of_turn>", "model")  # models.GEMMA_TEMPLATE
+_ACTION, _OBSERVATION = "\u2063ACTION\u2063", "\u2063OBSERVATION\u2063"  # placeholders no template alters
+_TURNS: dict[tuple[str, str], ChatTurns] = {}
 
 
-def turn_markers(tokenizer: Any) -> TurnMarkers:
-    """The markers the tokenizer's chat template writes: Gemma's turns where it uses them, else ChatML."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return GEMMA_TURNS if GEMMA_TURNS.start in template else CHATML
+class ChatTemplateError(ValueError):
+    """The tokenizer has no chat template the runner can play multi-turn episodes with."""
+
+
+def chat_turns(tokenizer: Any) -> ChatTurns:
+    """The tokenizer's chat template, read as `ChatTurns` (cached per template); `ChatTemplateError`
+    naming the fix when there is no template, or when it does not render a system, user, assistant,
+    user conversation as an extension of its first three turns (then turns cannot be appended)."""
+    template = getattr(tokenizer, "chat_template", None)
+    fix = (
+        "give the model a chat template: model.chat_template=<a Jinja template, or the path of a .jinja "
+        "file> (the model's own, e.g. from its instruct variant)"
+    )
+    if not template or not isinstance(template, str):
+        raise ChatTemplateError(f"the tokenizer of this model has no chat template; {fix}")
+    key = (template, str(tokenizer.eos_token))
+    if key in _TURNS:
+        return _TURNS[key]
+    system = {"role": "system", "content": "S"}
+    three = [system, {"role": "user", "content": "U"}, {"role": "assistant", "content": _ACTION}]
+    try:
+        before = tokenizer.apply_chat_template(three, tokenize=False)
+        after = tokenizer.apply_chat_template(
+            [*three, {"role": "user", "content": _OBSERVATION}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as err:  # a template that raises on a system turn or a second user turn
+        raise ChatTemplateError(
+            f"the chat template cannot render a multi-turn episode ({err}); {fix}"
+        ) from err
+    cut = after.find(_ACTION)
+    if cut < 0 or _OBSERVATION not in after or not after.startswith(before[: before.find(_ACTION)]):
+        raise ChatTemplateError(
+            "the chat template does not render a conversation as the extension of its first turns (the "
+            f"runner appends turns); {fix}"
+        )
+    close = before[before.find(_ACTION) + len(_ACTION) :]
+    between, rest = after[cut + len(_ACTION) :].split(_OBSERVATION, 1)
+    special = {
+        *tokenizer.all_special_tokens,
+        *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
+    }
+    specials = [t for t in special if t and t in between]
+    split = max((between.rfind(t) + len(t) for t in specials), default=0)
+    turns = ChatTurns(between[:split], between[split:], rest, close.rstrip("\n") or str(tokenizer.eos_token))
+    _TURNS[key] = turns
+    return turns
 
 
 def observation_ids(tokenizer: Any, observation: str, action_ids: list[int]) -> list[int]:
-    """The environment's reply as a user turn, then the header of the next assistant turn.
+    """The environment's reply as a user turn, then the header of the next assistant turn, as the
+    tokenizer's chat template writes them (`chat_turns`).
 
     The chat markers are special tokens; the observation is not. Tool output (a web page, what
     model-written code printed) is tokenised with special-token parsing off, so a forged
     `<|im_end|>\n<|im_start|>system` in it stays plain text instead of opening a real system turn.
-    The tokenizer splits text at special tokens before anything else, so for text without them
-    these ids are the same as tokenising the whole turn in one call.
+    An action that ended with the EOS token already holds the template's end of turn; one cut before
+    it (a stop string, the token cap) gets it here, so the next turn always opens cleanly.
     """
-    marks = turn_markers(tokenizer)
+    turns = chat_turns(tokenizer)
+    head_text = turns.after_action
     closed = bool(action_ids) and action_ids[-1] == tokenizer.eos_token_id
-    head = _markup(tokenizer, ("" if closed else marks.end) + "\n" + marks.start)
-    body = tokenizer(f"user\n{observation}", add_special_tokens=False, split_special_tokens=True)
-    tail = _markup(tokenizer, f"{marks.end}\n{marks.start}{marks.assistant}\n")
+    if closed and head_text.startswith(turns.close):
+        head_text = head_text[len(turns.close) :]
+    head = _markup(tokenizer, head_text)
+    body = tokenizer(f"{turns.user_prefix}{observation}", add_special_tokens=False, split_special_tokens=True)
+    tail = _markup(tokenizer, turns.after_observation)
     return [*head, *body["input_ids"], *tail]
 
 

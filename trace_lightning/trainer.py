@@ -49,8 +49,9 @@ from trace_lightning.run_record import (
     run_in_store,
     write_record,
 )
+from trace_lightning.runner import chat_turns
 from trace_lightning.sharding import FSDP2Strategy
-from trace_lightning.warmstart import check_held_out, model_tags, policy_path
+from trace_lightning.warmstart import check_held_out, model_tags, policy_options, policy_path
 
 config.register()
 
@@ -122,7 +123,9 @@ def build_module(cfg: DictConfig, parts: Parts) -> tuple[TraceModule, str]:
     """The policy (`models.build_policy`, from `model` or `model.warm_start`) with its adapter, the head
     and the TraceModule; and the policy's model folder."""
     model_path = policy_path(cfg.model)  # `model.warm_start=<folder>` trains from a warm start
-    policy = build_policy(model_path, _make(cfg.adapter) if cfg.adapter is not None else None)
+    adapter = _make(cfg.adapter) if cfg.adapter is not None else None
+    policy = build_policy(model_path, adapter, **policy_options(cfg.model))
+    chat_turns(policy.tokenizer)  # a tokenizer whose template cannot play episodes is refused here
     predictor = parts.predictor
     companion = build_policy(predictor.backbone) if predictor.backbone is not None else None
     backbone = (companion or policy).model

@@ -35,7 +35,7 @@ from trace_lightning.demos import Demonstration, demonstrations
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
 from trace_lightning.run_record import mark_model_training
-from trace_lightning.runner import observation_ids, prompt_ids, task_prompt_ids
+from trace_lightning.runner import chat_turns, observation_ids, prompt_ids, task_prompt_ids
 
 config.register()  # the ${abspath:...} resolver the logger group uses
 
@@ -99,9 +99,16 @@ def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]
 class WarmStartModule(L.LightningModule):
     """The policy (LoRA or full weights) trained by cross-entropy on the demonstrated turns."""
 
-    def __init__(self, model_path: str, adapter: Any | None = None, lr: float = 2e-4) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        adapter: Any | None = None,
+        lr: float = 2e-4,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
-        self.policy, self.tokenizer = build_policy(model_path)
+        self.policy, self.tokenizer = build_policy(model_path, **(options or {}))
+        chat_turns(self.tokenizer)  # a tokenizer whose template cannot play episodes is refused here
         if adapter is not None:
             from peft import get_peft_model
 
@@ -178,8 +185,18 @@ def policy_path(model_cfg: DictConfig) -> str:
             raise ValueError(f"model.{key} is required: pass model.{key}=... on the command line")
     rest = OmegaConf.to_container(model_cfg, resolve=True)  # resolved here: ${run_dir} needs the root
     assert isinstance(rest, dict)
-    rest.pop("warm_start", None)
+    for key in POLICY_OPTIONS:
+        rest.pop(key, None)
     return str(instantiate(rest))
+
+
+POLICY_OPTIONS = ("warm_start", "dtype", "chat_template")  # model-group keys that are not the folder's
+
+
+def policy_options(model_cfg: DictConfig) -> dict[str, Any]:
+    """`build_policy`'s keyword arguments from the model group: `dtype` ("auto" when absent) and
+    `chat_template` (None: the tokenizer's own)."""
+    return {"dtype": str(model_cfg.get("dtype") or "auto"), "chat_template": model_cfg.get("chat_template")}
 
 
 def run(cfg: DictConfig) -> Path:
@@ -191,7 +208,8 @@ def run(cfg: DictConfig) -> Path:
     if not demos:
         raise ValueError(f"env={env.name}: no demonstration replays to reward 1 on the training tasks")
     base = policy_path(cfg.model)
-    module = WarmStartModule(base, instantiate(cfg.adapter) if cfg.adapter is not None else None, cfg.lr)
+    adapter = instantiate(cfg.adapter) if cfg.adapter is not None else None
+    module = WarmStartModule(base, adapter, cfg.lr, policy_options(cfg.model))
     examples = select_examples(module.tokenizer, env, demos, cfg.max_demo_tokens, cfg.max_demos)
     if not examples:
         raise ValueError(f"max_demo_tokens={cfg.max_demo_tokens} leaves no demonstration: raise it, or null")
