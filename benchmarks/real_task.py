@@ -139,7 +139,8 @@ def compare(args: argparse.Namespace) -> None:
             probe = bool(args.probe) and m == methods[0] and seed == seeds[min(1, len(seeds) - 1)]
             overrides = [  # seed 0 of trace is the default job's command exactly
                 f"model.warm_start={args.warm_start}",
-                *([f"seed={seed}"] if seed else []),
+                # another training seed, the same problems and held-out split as the warm start's (seed 0)
+                *([f"seed={seed}", "env.seed=0", "data.split_seed=0"] if seed else []),
                 *METHODS[m],
                 *(["callbacks=probe", f"callbacks.probe.every_n_epochs={args.probe}"] if probe else []),
                 *args.extra,

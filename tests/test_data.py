@@ -179,3 +179,10 @@ def test_uniform_and_trace_make_the_same_optimizer_steps_at_the_same_budget(tiny
         report = data.report
         assert report.optimizer_steps == 3 and steps.at_epoch_end == [3, 6], name
         assert trainer.accumulate_grad_batches == report.micro_batches_per_step
+
+
+def test_split_seed_keeps_the_held_out_tasks_while_the_run_seed_changes():
+    held = {s: make_data(held_out=6, seed=s).collector.held_out for s in (0, 1)}
+    assert held[0] != held[1]  # the split follows the run's seed by default
+    fixed = dataclasses.replace(DATA, split_seed=0)
+    assert make_data(held_out=6, seed=1, settings=fixed).collector.held_out == held[0]

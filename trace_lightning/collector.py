@@ -115,6 +115,8 @@ class RolloutCollector:
         selection: Selection,
         predictor_fit: PredictorFit | None,
         seed: int,
+        *,
+        split_seed: int | None = None,  # the held-out split's seed (None: `seed`)
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
         require_sampling(sampling)
@@ -124,7 +126,7 @@ class RolloutCollector:
                 f"data.held_out={held_out} must be in [0, {len(ids) - 1}]: env {env.name} has {len(ids)} "
                 "tasks"
             )
-        train_ids, held = split_tasks(ids, held_out, seed)
+        train_ids, held = split_tasks(ids, held_out, seed if split_seed is None else split_seed)
         if not 1 <= pool_size <= len(train_ids):
             raise ValueError(
                 f"data.pool_size={pool_size} must be in [1, {len(train_ids)}]: env {env.name} has "

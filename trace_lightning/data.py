@@ -44,6 +44,9 @@ class DataSettings(EpisodeLimits):
     # Tasks set aside (envs.base.split_tasks with the run's seed, the warm start's rule): never drawn
     # into the pool; callbacks.HeldOutSuccess plays them to draw the learning curve. 0: none.
     held_out: int = 0
+    # The seed of that split (null: the run's `seed`). Seeds of one comparison that train from the same
+    # warm start set it (and env.seed) to the warm start's seed, so that only the training streams differ.
+    split_seed: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,6 +91,7 @@ class RolloutDataModule(L.LightningDataModule):
             selection if selection is not None else Selection(),
             predictor_fit,  # None: the head learns only from the joint loss
             seed,
+            split_seed=settings.split_seed,
         )
 
     @property

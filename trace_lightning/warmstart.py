@@ -161,7 +161,8 @@ def check_held_out(path: str, held_out: Sequence[int]) -> None:
             f"data.held_out={len(held_out)} would evaluate on tasks {trained_on[:8]}"
             f"{' ...' if len(trained_on) > 8 else ''} that the warm start model.warm_start={path} was "
             f"trained on (it held out {len(kept)}): pass data.held_out<={len(kept)} with the warm start's "
-            f"seed, or build the warm start with held_out={len(held_out)}"
+            f"seed (another training seed keeps its split and tasks with data.split_seed=<the warm start's "
+            f"seed> env.seed=<the same>), or build the warm start with held_out={len(held_out)}"
         )
 
 
