@@ -3,7 +3,8 @@ exact V_root program (docs/algorithm.md#exploration-and-the-skill-gate; each opt
 off by default and ablated in benchmarks/learning.py).
 
 A deterministic argmax over a flat or miscalibrated predictor ranks prompts by noise, keeps picking the
-same few and only ever gets labels for what it picked (measured at 85f38aa: below GRPO). The options:
+same few and only ever gets labels for what it picked (measured on the allocation testbed: below
+GRPO). The options:
 
 * `epoch_pools`: candidate pools are drawn from a shuffled pass over all tasks, so every task is a
   candidate once per pass before any task is a candidate again;

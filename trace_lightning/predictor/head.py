@@ -46,10 +46,10 @@ class FeatureScaler(nn.Module):
     """Per-feature standardisation across prompts, with running (exponential) mean and variance.
 
     After a warm start the prompts' last hidden states can be nearly identical (mean pairwise cosine
-    0.9993 measured at 85f38aa), so what tells prompts apart is a tiny deviation from their common
-    direction. LayerNorm normalises each vector on its own and keeps that common direction; this
-    removes it, so the head sees the differences at unit scale. Buffers, so they are checkpointed
-    with the module.
+    0.9993 measured on the search agent's warm start), so what tells prompts apart is a tiny deviation
+    from their common direction. LayerNorm normalises each vector on its own and keeps that common
+    direction; this removes it, so the head sees the differences at unit scale. Buffers, so they are
+    checkpointed with the module.
     """
 
     def __init__(self, size: int, momentum: float = 0.1, eps: float = 1e-12) -> None:
