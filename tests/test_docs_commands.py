@@ -34,7 +34,7 @@ def _overrides(rest: str) -> list[str] | None:
         if word.startswith(("#", "...", ";", "&&", "|", "(")) or word.startswith("`"):
             break
         end = "`" in word
-        word = word.split("`")[0].rstrip(",;.)")
+        word = word.split("`")[0].rstrip(",;.)").strip("'\"")  # shell quotes around an override
         if word == "-m":
             sweep = True
         elif word.startswith("--") or (i and words[i - 1] == "--cfg"):

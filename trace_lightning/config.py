@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import typing
 from collections.abc import Callable
@@ -133,7 +134,8 @@ def check_overrides(args: list[str]) -> None:
 
     Hydra's own message for a misspelt key (`budget.leavs=3`) suggests `+budget.leavs=3`, which would
     add a setting nothing reads. Group choices (`env=math_tool`) are applied first, so the keys of the
-    chosen groups count; sweeps (`-m env=a,b`), `+`/`~` overrides and `hydra.*` are left to Hydra.
+    chosen groups count, those of groups found through `hydra.searchpath=[file://...]` included; sweeps
+    (`-m env=a,b`), `+`/`~` overrides and other `hydra.*` keys are left to Hydra.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -143,8 +145,14 @@ def check_overrides(args: list[str]) -> None:
         overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
     except Exception:  # a syntax error: Hydra reports it with its own, better message
         return
+    searchpath = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath"]
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir() and not p.name.startswith("_")}
+    for entry in searchpath:  # a user's config folders (their own env group, ...) count as groups too
+        for folder in re.findall(r"file://([^,\]\s]+)", entry):
+            if Path(folder).is_dir():
+                groups |= {p.name for p in Path(folder).iterdir() if p.is_dir()}
     chosen = [o.input_line for o in overrides if o.key_or_group in groups and not o.is_sweep_override()]
+    chosen += searchpath
     swept = {o.key_or_group.split(".")[0] for o in overrides if o.is_sweep_override()}
     register()
     GlobalHydra.instance().clear()

@@ -159,12 +159,29 @@ def bfcl_demo(env: Any, task: Task) -> Demonstration | None:
 BUILDERS = {"search_qa": search_qa_demo, "math_tool": math_tool_demo, "bfcl": bfcl_demo}
 
 
+def own_demo(env: Any, task: Task) -> Demonstration | None:
+    """A user environment's demonstration: the actions its `demonstration(task)` returns (None: none for
+    this task), replayed through the environment and kept when they score 1.0."""
+    actions = env.demonstration(task)
+    if not actions:
+        return None
+    demo = replay(env, task, tuple(actions))
+    return demo if demo is not None and demo.reward == 1.0 else None
+
+
 def demonstrations(env: Any, task_ids: set[int]) -> tuple[list[Demonstration], int]:
-    """(demonstrations for the tasks in `task_ids`, how many of those tasks got none)."""
-    if env.name not in BUILDERS:
+    """(demonstrations for the tasks in `task_ids`, how many of those tasks got none). An environment
+    with a `demonstration(task) -> list of action texts | None` method supplies its own (docs/extending.md);
+    the shipped ones are built here from their gold data."""
+    if hasattr(env, "demonstration"):
+        build = own_demo
+    elif env.name in BUILDERS:
+        build = BUILDERS[env.name]
+    else:
         raise ValueError(
-            f"the warm start has demonstrations for env={sorted(BUILDERS)}, not env={env.name!r}"
+            f"the warm start has no demonstrations for env={env.name!r}: give the environment a method "
+            "`demonstration(task) -> list[str] | None` returning the actions of a successful episode "
+            f"(docs/extending.md); built in: {sorted(BUILDERS)}"
         )
-    build = BUILDERS[env.name]
     demos = [d for t in env.tasks() if t.task_id in task_ids if (d := build(env, t)) is not None]
     return demos, len(task_ids) - len(demos)

@@ -1,0 +1,128 @@
+"""`check_environment`: the shipped environments pass it, the example environment of docs/extending.md
+passes it and plugs into the trainer's config and the warm start, and each rule it states catches an
+environment that breaks it, naming the problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from trace_lightning import config
+from trace_lightning.demos import demonstrations
+from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.envs.check import check_environment
+from trace_lightning.envs.decisive import DecisiveEnv
+from trace_lightning.envs.math_tool import MathToolEnv
+
+ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "examples" / "capitals"
+SEARCHPATH = f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]"
+
+
+@pytest.mark.parametrize(
+    "env", [ChainEnv(n_tasks=8), MathToolEnv(n_tasks=20, difficulty=2), DecisiveEnv(20, 5)], ids=str
+)
+def test_the_shipped_environments_pass(env):
+    assert check_environment(env) == []
+
+
+@pytest.fixture
+def example_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+
+
+def test_the_example_environment_plugs_into_the_config_the_check_and_the_warm_start(example_on_path):
+    config.check_overrides(["env=capitals", "env.n_tasks=50", SEARCHPATH])  # its keys are known
+    with pytest.raises(config.UnknownSettingError, match="env.n_tasks"):
+        config.check_overrides(["env=capitals", "env.n_taks=50", SEARCHPATH])
+    config.register()
+    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["env=capitals", SEARCHPATH])
+    env = instantiate(cfg.env)
+    assert check_environment(env) == []
+    demos, missing = demonstrations(env, {0, 1, 2, 3})
+    assert missing == 0 and all(d.reward == 1.0 and len(d.actions) == 3 for d in demos)
+
+
+def test_the_check_command_reports_the_example_ok():
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_lightning.envs.check", "env=capitals", SEARCHPATH],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(EXAMPLE), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "env=capitals: OK" in proc.stdout
+
+
+class Broken:
+    """A one-task environment whose `step` breaks one rule, chosen by `fault`."""
+
+    name = "broken"
+    system_prompt = "Reply <answer>x</answer>."
+    stop_strings = ("</answer>",)
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.calls = 0
+
+    def tasks(self):
+        return [Task(0, "?", ("x",))]
+
+    def initial_state(self, task):
+        return [] if self.fault == "unhashable" else ()
+
+    def step(self, task, state, action_text):
+        self.calls += 1
+        if self.fault == "raises" and "<answer>" in action_text:
+            raise KeyError("boom")
+        if self.fault == "mutates":
+            state.append(1) if isinstance(state, list) else None
+        if self.fault == "random":
+            return Transition(f"{random.random()}", False, None, None, state)
+        if self.fault == "nan":
+            return Transition("", True, math.nan, "answer", state)
+        return Transition("", True, 1.0, "answer", state)
+
+
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ("raises", "step raised KeyError"),
+        ("random", "two different transitions"),
+        ("nan", "a final reward must be finite"),
+        ("unhashable", "unhashable list"),
+    ],
+)
+def test_each_broken_rule_is_named(fault, named):
+    problems = check_environment(Broken(fault))
+    assert any(named in p for p in problems), problems
+
+
+def test_a_step_that_changes_its_input_state_is_named():
+    @dataclasses.dataclass
+    class Box:  # mutable and unhashable-by-eq: the check sees the state change under it
+        n: int = 0
+        __hash__ = object.__hash__
+
+    class Mutating(Broken):
+        def initial_state(self, task):
+            return Box()
+
+        def step(self, task, state, action_text):
+            state.n += 1
+            return Transition("<observation>ok</observation>", False, None, None, state)
+
+    problems = check_environment(Mutating("none"))
+    assert any("changed the state it was given" in p for p in problems), problems
