@@ -96,8 +96,8 @@ def test_evaluate_loads_the_checkpoint_weights(trained_run, tmp_path, monkeypatc
     seen = {}
     real = ev.load_checkpoint
 
-    def spy(cfg, path, module):
-        real(cfg, path, module)
+    def spy(cfg, path, ckpt, module):
+        real(cfg, path, ckpt, module)
         seen.update({k: v.clone() for k, v in module.state_dict().items()})
 
     monkeypatch.setattr(ev, "load_checkpoint", spy)
@@ -108,6 +108,33 @@ def test_evaluate_loads_the_checkpoint_weights(trained_run, tmp_path, monkeypatc
     evaluate(cfg)
     saved = validate_checkpoint(newest)["state_dict"]
     assert seen.keys() == saved.keys() and all(torch.equal(seen[k], saved[k]) for k in saved)
+
+
+def test_evaluate_reads_the_checkpoint_once_so_it_loads_the_bytes_it_checked(
+    trained_run, tmp_path, monkeypatch
+):
+    """`ckpt_path=<run_dir>`: the newest valid checkpoint is read once; its checks and its load use those
+    bytes, so a file swapped in between the two could not be loaded under this run's name."""
+    import pathlib
+
+    reads = []
+    real = pathlib.Path.read_bytes
+
+    def counting(self):
+        if self.suffix == ".ckpt":
+            reads.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", counting)
+    cfg = compose_cfg(
+        "evaluate",
+        trained_run,
+        f"run_dir={tmp_path}/e",
+        f"ckpt_path={trained_run / 'run'}",
+        "data.held_out=4",
+    )
+    evaluate(cfg)
+    assert len(reads) == 1, reads
 
 
 def test_evaluate_refuses_a_checkpoint_of_another_adapter(trained_run, tmp_path):

@@ -28,12 +28,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from trace_lightning import config
-from trace_lightning.checkpoints import (
-    CheckpointError,
-    check_shapes,
-    newest_valid_checkpoint,
-    validate_checkpoint,
-)
+from trace_lightning.checkpoints import CheckpointError, check_shapes, validate_checkpoint
+from trace_lightning.checkpoints.validate import newest_valid
 from trace_lightning.console import quiet_console, quiet_known_warnings
 from trace_lightning.evaluation import EvalResult
 from trace_lightning.module import TraceModule
@@ -57,10 +53,11 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
             f"eval.tasks={parts.evaluation.tasks} with data.held_out=0: no task to evaluate; "
             "set data.held_out=N (the warm start's count) or eval.tasks=all"
         )
-    ckpt_path = checkpoint_path(cfg.ckpt_path)
+    checked = checked_checkpoint(cfg.ckpt_path)
+    ckpt_path = None if checked is None else checked[0]
     module, model_path = build_module(cfg, parts)
-    if ckpt_path is not None:
-        load_checkpoint(cfg, ckpt_path, module)
+    if checked is not None:
+        load_checkpoint(cfg, *checked, module)
     bar = tqdm(
         total=len(tasks) * parts.evaluation.samples, desc="evaluating", unit="episode", dynamic_ncols=True
     )
@@ -78,21 +75,27 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
 def checkpoint_path(ckpt_path: str | None) -> Path | None:
     """`ckpt_path`: a checkpoint file, a run directory (its newest valid checkpoint) or None (the model
     as `model` / `model.warm_start` builds it)."""
+    found = checked_checkpoint(ckpt_path)
+    return None if found is None else found[0]
+
+
+def checked_checkpoint(ckpt_path: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint `ckpt_path` names with its state, read once: the bytes that passed every check
+    are the bytes loaded (a file swapped in between cannot be loaded under this run's name)."""
     if ckpt_path is None:
         return None
     path = Path(ckpt_path)
     if not path.is_dir():
-        return path
-    found = newest_valid_checkpoint(path / "checkpoints")
+        return path, validate_checkpoint(path)
+    found = newest_valid(path / "checkpoints")
     if found is None:
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no valid checkpoint in {path / 'checkpoints'}")
     return found
 
 
-def load_checkpoint(cfg: DictConfig, path: Path, module: TraceModule) -> None:
-    """The checkpoint's weights into `module`, after the same checks a resume makes; a checkpoint of
-    another model or adapter is refused, naming what differs."""
-    ckpt = validate_checkpoint(path)
+def load_checkpoint(cfg: DictConfig, path: Path, ckpt: dict[str, Any], module: TraceModule) -> None:
+    """The checkpoint's weights (`ckpt`, as validated) into `module`, after the same checks a resume
+    makes; a checkpoint of another model or adapter is refused, naming what differs."""
     stored = (ckpt.get("trace_run") or {}).get("fingerprint") or {}
     now = config_fingerprint(cfg)
     for key in SAME_POLICY:
