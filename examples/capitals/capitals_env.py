@@ -13,11 +13,13 @@ up so far: an immutable value, so a continuation re-enters a prefix exactly.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 from collections.abc import Sequence
 
 from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.tools import ToolEnv
 
 COUNTRIES = {  # code: (name, capital, population in millions)
     "FR": ("France", "Paris", 68),
@@ -100,3 +102,42 @@ class CapitalsEnv:
         """A successful episode's actions, for the warm start: look both up, then answer."""
         a, b = self._pairs[task.task_id]
         return [f"<lookup>{a}</lookup>", f"<lookup>{b}</lookup>", f"<answer>{task.answer[0]}</answer>"]
+
+
+def lookup(code: str) -> str:
+    """A country's name, capital and population.
+
+    Args:
+        code: the country's two-letter code, e.g. FR
+    """
+    name, capital, people = COUNTRIES[code.strip().upper()]  # an unknown code raises: a tool error
+    return f"{code.upper()}: {name}, capital {capital}, population {people} million"
+
+
+class CapitalsToolEnv(ToolEnv):
+    """The same questions with `lookup` as a typed tool: its schema is generated from the signature and
+    docstring, the chat template renders it, and calls are parsed in `tool_format` (hermes: Qwen-style
+    `<tool_call>` JSON; llama3_json). The final reply is the capital."""
+
+    name = "capitals_tools"
+    system_prompt = "Answer the question. Look countries up with the tool, then reply with the capital only."
+    tools = (lookup,)
+
+    def __init__(self, n_tasks: int = 200, seed: int = 0, tool_format: str = "hermes") -> None:
+        self.tool_format = tool_format
+        super().__init__()
+        self._env = CapitalsEnv(n_tasks, seed)
+
+    def tasks(self) -> Sequence[Task]:
+        return self._env.tasks()
+
+    def score(self, task: Task, reply: str) -> float:
+        return float(reply.strip().rstrip(".").lower() == task.answer[0].lower())
+
+    def demonstration(self, task: Task) -> list[str]:
+        a, b = self._env._pairs[task.task_id]
+        calls = [json.dumps({"name": "lookup", "arguments": {"code": c}}) for c in (a, b)]
+        if self.tool_format == "llama3_json":
+            calls = [json.dumps({"name": "lookup", "parameters": {"code": c}}) for c in (a, b)]
+            return [*calls, task.answer[0]]
+        return [*(f"<tool_call>{c}</tool_call>" for c in calls), task.answer[0]]

@@ -1,0 +1,208 @@
+"""Tools as typed Python functions: their JSON schema generated from the signature and docstring
+(`transformers.utils.get_json_schema`), the tool list rendered by the model's chat template
+(`apply_chat_template(..., tools=...)`), and calls parsed in the model family's own format.
+
+    def lookup(code: str) -> str:
+        '''A country's name, capital and population.
+
+        Args:
+            code: the country's two-letter code, e.g. FR
+        '''
+
+    class MyEnv(ToolEnv):
+        tools = (lookup,)
+        tool_format = "hermes"            # env.tool_format: a key of PARSERS
+        def score(self, task, reply): ...  # the final reply's reward in [0, 1]
+
+Formats (`PARSERS`, one registry): `hermes` (also `qwen`): `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`, the format of Hermes, Qwen 2.5/3 and SmolLM3 templates; `llama3_json`: the turn is
+one JSON object `{"name": ..., "parameters": {...}}`, Llama 3.1's JSON tool calling. A turn with no
+call is the final reply. A malformed call (bad JSON, an unknown tool, a missing or unexpected
+argument, a tool that raises) is answered with a tool-error observation saying what to write, never
+an exception: it counts in `rollout/format_errors` or `rollout/tool_errors`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trace_lightning.envs.base import Task, Transition
+
+MAX_CALL_CHARS = 16_000  # a call longer than this is refused before it is parsed
+MAX_RESULT_CHARS = 4_000  # a tool's result is cut to this (the runner also bounds observations)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BadCall:
+    message: str  # what is wrong and what to write instead (shown to the policy)
+
+
+def _json_object(body: str, example: str) -> dict[str, Any] | BadCall:
+    if len(body) > MAX_CALL_CHARS:
+        return BadCall(f"the call has {len(body)} characters; keep it under {MAX_CALL_CHARS}.")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return BadCall(f"the call is not valid JSON: write {example}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return BadCall(f'the call needs a "name": write {example}')
+    return obj
+
+
+HERMES_EXAMPLE = '<tool_call>{"name": "<tool>", "arguments": {"<parameter>": <value>}}</tool_call>'
+
+
+def parse_hermes(text: str) -> ToolCall | BadCall | None:
+    """The first `<tool_call>{...}</tool_call>` of the turn; None when the turn has none."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return None
+    end = text.find("</tool_call>", start)
+    if end < 0:
+        return BadCall("the call was not closed: end it with </tool_call>.")
+    obj = _json_object(text[start + len("<tool_call>") : end].strip(), HERMES_EXAMPLE)
+    if isinstance(obj, BadCall):
+        return obj
+    arguments = obj.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return BadCall(f'"arguments" must be a JSON object: write {HERMES_EXAMPLE}')
+    return ToolCall(obj["name"], arguments)
+
+
+LLAMA3_EXAMPLE = '{"name": "<tool>", "parameters": {"<parameter>": <value>}}'
+
+
+def parse_llama3_json(text: str) -> ToolCall | BadCall | None:
+    """The turn as one JSON object with "name" and "parameters"; None when it is not JSON-shaped."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return None
+    obj = _json_object(body, LLAMA3_EXAMPLE)
+    if isinstance(obj, BadCall):
+        return obj
+    arguments = obj.get("parameters", obj.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return BadCall(f'"parameters" must be a JSON object: write {LLAMA3_EXAMPLE}')
+    return ToolCall(obj["name"], arguments)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    parse: Callable[[str], ToolCall | BadCall | None]
+    example: str
+    stop_strings: tuple[str, ...]  # where a turn's generation stops (beside the EOS token)
+
+
+PARSERS: dict[str, ToolFormat] = {
+    "hermes": ToolFormat(parse_hermes, HERMES_EXAMPLE, ("</tool_call>",)),
+    "qwen": ToolFormat(parse_hermes, HERMES_EXAMPLE, ("</tool_call>",)),
+    "llama3_json": ToolFormat(parse_llama3_json, LLAMA3_EXAMPLE, ()),
+}
+
+
+def tool_format(name: str) -> ToolFormat:
+    if name not in PARSERS:
+        raise ValueError(f"env.tool_format={name!r}: use one of {sorted(PARSERS)}")
+    return PARSERS[name]
+
+
+def schemas(functions: Sequence[Callable[..., Any]]) -> list[dict[str, Any]]:
+    """The JSON schema of each function, from its type hints and its docstring's Args section."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for fn in functions:
+        try:
+            out.append(get_json_schema(fn))
+        except Exception as err:  # transformers names the missing hint or docstring line
+            raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {err}") from err
+    return out
+
+
+def run_call(
+    call: ToolCall, functions: dict[str, Callable[..., Any]], schema: dict[str, dict]
+) -> tuple[str, bool]:
+    """(the tool's result as text, whether the call failed): unknown tools, missing or unexpected
+    arguments and exceptions inside the tool are failures, explained in the text."""
+    if call.name not in functions:
+        return f"error: no tool named {call.name!r}; the tools are {sorted(functions)}", True
+    params = schema[call.name]["function"]["parameters"]
+    allowed, required = set(params.get("properties", {})), set(params.get("required", []))
+    if missing := sorted(required - set(call.arguments)):
+        return f"error: {call.name} needs the argument(s) {missing}", True
+    if extra := sorted(set(call.arguments) - allowed):
+        return f"error: {call.name} takes no argument(s) {extra}; it takes {sorted(allowed)}", True
+    try:
+        result = functions[call.name](**call.arguments)
+    except Exception as err:  # the tool's own failure on this input, shown to the policy
+        return f"error: {call.name} failed: {type(err).__name__}: {str(err)[:200]}", True
+    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    return text[:MAX_RESULT_CHARS], False
+
+
+class ToolEnv:
+    """An environment whose tools are typed functions (`tools`), called in `tool_format`; a turn without
+    a call is the final reply, scored by `score(task, reply)`. Subclasses set `name`, `system_prompt`,
+    `tools` and `tool_format`, and define `tasks`, `score` and optionally `demonstration`. The state is
+    the number of calls made so far; `max_calls` ends an episode that keeps calling (reward 0)."""
+
+    name = "tools"
+    system_prompt = "Use the tools when they help, then reply with the answer."
+    tools: tuple[Callable[..., Any], ...] = ()
+    tool_format = "hermes"
+    max_calls = 8
+
+    def __init__(self) -> None:
+        self._format = tool_format(self.tool_format)
+        self.stop_strings = self._format.stop_strings
+        self._schemas = schemas(self.tools)
+        self._functions = {s["function"]["name"]: fn for s, fn in zip(self._schemas, self.tools, strict=True)}
+        self._by_name = {s["function"]["name"]: s for s in self._schemas}
+
+    def tasks(self) -> Sequence[Task]:
+        raise NotImplementedError
+
+    def score(self, task: Task, reply: str) -> float:
+        raise NotImplementedError
+
+    def initial_state(self, task: Task) -> int:
+        return 0
+
+    def prompt_ids(self, task: Task, tokenizer: Any) -> list[int]:
+        """The prompt with the tool list rendered by the chat template; a template that ignores `tools`
+        gets the schemas and the call format in the system prompt instead."""
+        messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": task.question},
+        ]
+        text = tokenizer.apply_chat_template(
+            messages, tools=self._schemas, add_generation_prompt=True, tokenize=False
+        )
+        if self._schemas and self._schemas[0]["function"]["name"] not in text:
+            listed = "\n".join(json.dumps(s) for s in self._schemas)
+            system = f"{self.system_prompt}\nTools:\n{listed}\nCall one as: {self._format.example}"
+            messages[0] = {"role": "system", "content": system}
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def step(self, task: Task, state: int, action_text: str) -> Transition:
+        parsed = self._format.parse(action_text)
+        if parsed is None:
+            return Transition("", True, float(self.score(task, action_text)), "answer", state)
+        if isinstance(parsed, BadCall):
+            note = f"<tool_response>error: {parsed.message}</tool_response>"
+            return Transition(note, False, None, None, state, format_error=True)
+        if state + 1 > self.max_calls:
+            return Transition("", True, 0.0, "too_many_calls", state, tool=parsed.name, tool_error=True)
+        result, failed = run_call(parsed, self._functions, self._by_name)
+        note = f"<tool_response>{result}</tool_response>"
+        return Transition(note, False, None, None, state + 1, tool=parsed.name, tool_error=failed)
