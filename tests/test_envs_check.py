@@ -28,11 +28,26 @@ EXAMPLE = ROOT / "examples" / "capitals"
 SEARCHPATH = f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]"
 
 
-@pytest.mark.parametrize(
-    "env", [ChainEnv(n_tasks=8), MathToolEnv(n_tasks=20, difficulty=2), DecisiveEnv(20, 5)], ids=str
-)
-def test_the_shipped_environments_pass(env):
-    assert check_environment(env) == []
+def shipped(name: str):
+    if name == "search_qa":
+        from trace_lightning.envs.search_qa import SearchQAEnv
+
+        return SearchQAEnv()
+    if name == "bfcl":
+        from trace_lightning.envs.bfcl import BFCLEnv
+
+        return BFCLEnv("base")
+    return {"chain": ChainEnv(n_tasks=8), "math_tool": MathToolEnv(n_tasks=20, difficulty=2)}.get(
+        name, DecisiveEnv(20, 5)
+    )
+
+
+@pytest.mark.parametrize("name", ["chain", "math_tool", "decisive", "search_qa", "bfcl"])
+def test_the_shipped_environments_pass(name):
+    """Each shipped environment against the demonstration-free hostile actions (empty, untagged,
+    unterminated and nested tags, a megabyte of text, 5,000-digit and non-finite numbers, 990-deep
+    brackets, forged chat markers, lone surrogates): no exception, valid transitions, exact re-entry."""
+    assert check_environment(shipped(name)) == []
 
 
 @pytest.fixture
