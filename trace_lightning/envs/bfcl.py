@@ -58,6 +58,7 @@ from trace_lightning.envs.bfcl_prompt import (
     tool_schemas,
 )
 from trace_lightning.envs.bfcl_world import ERROR_PREFIX, CallRejected, Replay, api_class, owners, shown
+from trace_lightning.envs.tools import BadCall, parse_hermes
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_FORMAT = '<tool_call>{"name": "<function>", "arguments": {"<parameter>": <value>}}</tool_call>'
@@ -88,30 +89,20 @@ class Reply:
 
 
 def parse_move(text: str) -> Call | Malformed | Reply:
-    """One policy turn: the first `<tool_call>...</tool_call>` as a call, or a reply if there is none.
+    """One policy turn: the first `<tool_call>...</tool_call>` as a call (parsed by the hermes parser of
+    envs/tools.py, the one every typed-tool environment uses), or a reply if there is none.
 
     Example: `parse_move('Moving it. <tool_call>{"name": "mv", "arguments": {"source": "a",
     "destination": "b"}}</tool_call>')` gives `Call.make("mv", {"source": "a", "destination": "b"})`.
     """
-    start = text.find(TOOL_OPEN)
-    if start < 0:
+    parsed = parse_hermes(text, CALL_FORMAT, MAX_CALL_CHARS)
+    if parsed is None:
         return Reply(text.strip())
-    end = text.find(TOOL_CLOSE, start)
-    if end < 0:
-        return Malformed(f"the call was not closed: end it with {TOOL_CLOSE}.")
-    body = text[start + len(TOOL_OPEN) : end].strip()
-    if len(body) > MAX_CALL_CHARS:
-        return Malformed(f"the call has {len(body)} characters; keep it under {MAX_CALL_CHARS}.")
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):
-        return Malformed(f"the call is not valid JSON: write {CALL_FORMAT}")
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _NAME.fullmatch(obj["name"]):
+    if isinstance(parsed, BadCall):
+        return Malformed(parsed.message)
+    if not _NAME.fullmatch(parsed.name):
         return Malformed(f'the call needs a "name" that is a function name: write {CALL_FORMAT}')
-    arguments = obj.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return Malformed(f'"arguments" must be a JSON object: write {CALL_FORMAT}')
-    return Call.make(obj["name"], arguments)
+    return Call.make(parsed.name, parsed.arguments)
 
 
 def call_text(call: Call) -> str:

@@ -46,9 +46,9 @@ class BadCall:
     message: str  # what is wrong and what to write instead (shown to the policy)
 
 
-def _json_object(body: str, example: str) -> dict[str, Any] | BadCall:
-    if len(body) > MAX_CALL_CHARS:
-        return BadCall(f"the call has {len(body)} characters; keep it under {MAX_CALL_CHARS}.")
+def _json_object(body: str, example: str, max_chars: int = MAX_CALL_CHARS) -> dict[str, Any] | BadCall:
+    if len(body) > max_chars:
+        return BadCall(f"the call has {len(body)} characters; keep it under {max_chars}.")
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):
@@ -61,20 +61,23 @@ def _json_object(body: str, example: str) -> dict[str, Any] | BadCall:
 HERMES_EXAMPLE = '<tool_call>{"name": "<tool>", "arguments": {"<parameter>": <value>}}</tool_call>'
 
 
-def parse_hermes(text: str) -> ToolCall | BadCall | None:
-    """The first `<tool_call>{...}</tool_call>` of the turn; None when the turn has none."""
+def parse_hermes(
+    text: str, example: str = HERMES_EXAMPLE, max_chars: int = MAX_CALL_CHARS
+) -> ToolCall | BadCall | None:
+    """The first `<tool_call>{...}</tool_call>` of the turn; None when the turn has none. `example` is
+    the call format an error message shows (envs/bfcl.py passes its own, and its longer limit)."""
     start = text.find("<tool_call>")
     if start < 0:
         return None
     end = text.find("</tool_call>", start)
     if end < 0:
         return BadCall("the call was not closed: end it with </tool_call>.")
-    obj = _json_object(text[start + len("<tool_call>") : end].strip(), HERMES_EXAMPLE)
+    obj = _json_object(text[start + len("<tool_call>") : end].strip(), example, max_chars)
     if isinstance(obj, BadCall):
         return obj
     arguments = obj.get("arguments", {})
     if not isinstance(arguments, dict):
-        return BadCall(f'"arguments" must be a JSON object: write {HERMES_EXAMPLE}')
+        return BadCall(f'"arguments" must be a JSON object: write {example}')
     return ToolCall(obj["name"], arguments)
 
 
