@@ -141,3 +141,26 @@ def test_a_step_that_changes_its_input_state_is_named():
 
     problems = check_environment(Mutating("none"))
     assert any("changed the state it was given" in p for p in problems), problems
+
+
+def test_the_example_trains_from_the_cli_as_the_guide_says(tmp_path):
+    """docs/extending.md's commands, with the tiny model of `debug=fast` (one iteration)."""
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "trace_lightning.trainer", "debug=fast", "env=capitals", SEARCHPATH),
+            *("trainer.max_epochs=1", "logger=none", f"output_root={tmp_path}", f"run_dir={tmp_path}/run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            "PYTHONPATH": str(EXAMPLE),
+            "PATH": "/usr/bin:/bin",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+        },
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TRACE summary: 1 iterations" in proc.stdout
+    assert "capitals_env.CapitalsEnv" in (tmp_path / "run" / ".hydra" / "config.yaml").read_text()

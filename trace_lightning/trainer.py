@@ -37,6 +37,7 @@ from trace_lightning.console import quiet_console
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import Environment
+from trace_lightning.envs.check import check_environment
 from trace_lightning.evaluation import EvalSettings
 from trace_lightning.losses import LossSettings
 from trace_lightning.models import build_policy
@@ -101,6 +102,7 @@ def build_parts(cfg: DictConfig) -> Parts:
     loss, settings, evaluation = _make(cfg.loss), _make(cfg.module), _make(cfg.eval)
     allocator: TreeAllocator = _make(cfg.allocator)
     env = _make(cfg.env)
+    check_env_at_start(env)
     data = RolloutDataModule(
         env,
         allocator,
@@ -117,6 +119,20 @@ def build_parts(cfg: DictConfig) -> Parts:
     if cfg.model.get("warm_start") is not None:
         check_held_out(str(cfg.model.warm_start), data.collector.held_out)
     return Parts(sampling, predictor, loss, settings, evaluation, allocator, env, data)
+
+
+def check_env_at_start(env: Environment) -> None:
+    """`envs.check.check_environment` on two tasks before any model, engine or MLflow run exists: an
+    environment that raises on malformed text, mutates its states or is not a function of them fails
+    here, listing every problem, instead of hours into a run."""
+    problems = check_environment(env, tasks=2)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"env={getattr(env, 'name', type(env).__name__)} breaks rules the runner relies on "
+            f"(docs/extending.md):\n{listed}\nrerun the check alone: "
+            "python -m trace_lightning.envs.check env=..."
+        )
 
 
 def build_module(cfg: DictConfig, parts: Parts) -> tuple[TraceModule, str]:
