@@ -61,7 +61,7 @@ class DecisiveTask:
 
 
 def make_decisive_tasks(
-    n: int, seed: int, first_id: int = 0, exclude: frozenset[tuple] = frozenset()
+    n: int, seed: int, first_id: int = 0, exclude: frozenset[tuple[object, ...]] = frozenset()
 ) -> list[DecisiveTask]:
     """`n` tasks drawn independently: turns 2-4, 8 or 16 letters, shift 0-3 (weights 10/30/30/30%),
     one mistake allowed for 20%. Decisive letters leave room for the shift (no wrap-around). A draw
@@ -82,7 +82,7 @@ def make_decisive_tasks(
     return tasks
 
 
-def content(task: DecisiveTask) -> tuple:
+def content(task: DecisiveTask) -> tuple[object, ...]:
     """What the policy sees and is scored on, without the id: two tasks with equal content are one task."""
     return (task.shown, task.decisive, task.shift, task.tolerance, task.n_letters)
 
