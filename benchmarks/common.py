@@ -40,7 +40,7 @@ from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.models import build_policy, build_tiny_model
-from trace_lightning.module import TraceModule
+from trace_lightning.module import ModuleSettings, TraceModule
 from trace_lightning.predictor import PredictorSettings
 
 PHASES = ("generation", "env", "predictor", "allocation", "old_logprobs", "training", "sync")
@@ -238,11 +238,14 @@ def bench_module(
     path: str, optimizer: Any, sampling: SamplingParams, adapter: Any = None, width: int = 16
 ) -> TraceModule:
     """The module the benchmarks train: the policy at `path` and the joint-loss head (coef 1, read at the
-    prefix's last state), scoring at `sampling`'s temperature."""
+    prefix's last state), scoring at `sampling`'s temperature. Every step moves AdamW, contrast or not
+    (`hold_on_zero_gradient=False`): the cost benchmarks time an update and the weight sync after it."""
     head = PredictorSettings.policy_state(
         width=width, coef=1.0, pooling="last", standardize=False, refit_steps=0
     )
-    return TraceModule(build_policy(path, adapter), optimizer, sampling=sampling, predictor=head)
+    settings = ModuleSettings(hold_on_zero_gradient=False)
+    policy = build_policy(path, adapter)
+    return TraceModule(policy, optimizer, sampling=sampling, predictor=head, settings=settings)
 
 
 def bench_data(
@@ -255,8 +258,9 @@ def bench_data(
     estimator: Any = TreeGRPO(),
     **settings: Any,
 ) -> RolloutDataModule:
-    """A RolloutDataModule; `settings` are DataSettings fields (micro-batches by count unless given)."""
-    settings = {"micro_batch_tokens": None, **settings}
+    """A RolloutDataModule; `settings` are DataSettings fields (micro-batches by count unless given, one
+    optimizer step per micro-batch as `train_iteration` runs them, unless given)."""
+    settings = {"micro_batch_tokens": None, "steps_per_iteration": None, **settings}
     return RolloutDataModule(
         env, allocator, engine, sampling, Budget(leaves, max_tokens), DataSettings(**settings), estimator
     )

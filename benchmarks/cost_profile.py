@@ -95,6 +95,7 @@ def run_point(
             micro_batch_tokens=None,
             max_turns=point.turns,
             max_episode_tokens=args.max_episode_tokens if point.model == "tiny" else 768,
+            steps_per_iteration=None,  # one optimizer step per micro-batch, as train_iteration runs them
         ),
         seed=args.seed,
     )

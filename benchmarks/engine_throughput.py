@@ -119,7 +119,12 @@ def sync_share(args, module, env, lora_sync: str) -> dict[str, float | list[floa
         sampling=sampling_of(args),
         budget=alloc.Budget(12),
         settings=DataSettings(
-            pool_size=12, micro_batch_size=4, micro_batch_tokens=None, max_turns=3, max_episode_tokens=768
+            pool_size=12,
+            micro_batch_size=4,
+            micro_batch_tokens=None,
+            max_turns=3,
+            max_episode_tokens=768,
+            steps_per_iteration=None,  # one optimizer step per micro-batch, as train_iteration runs them
         ),
         cold_start=alloc.BetaPrior(warmup=1),
         seed=0,

@@ -334,6 +334,7 @@ def train_run(
             micro_batch_tokens=None,
             max_turns=args.turns,
             max_episode_tokens=MAX_EPISODE_TOKENS,
+            steps_per_iteration=None,  # a step per micro-batch of --micro-batch leaves: the same for all
         ),
         estimator=ESTIMATORS[args.estimator](),
         cold_start=BetaPrior(warmup=1, decay=args.decay),

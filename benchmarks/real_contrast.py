@@ -61,6 +61,7 @@ def make_data(args, allocator: alloc.TreeAllocator, env: SearchQAEnv, engine=Non
             micro_batch_tokens=None,
             max_turns=args.max_turns,
             max_episode_tokens=args.max_episode_tokens,
+            steps_per_iteration=None,  # its own loop: one step over the iteration's micro-batches
         ),
         seed=args.seed,
     )

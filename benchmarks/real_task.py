@@ -154,7 +154,8 @@ def report(
 ) -> dict[str, Any]:
     results = {}
     for m, by_seed in runs.items():
-        done = [by_seed[str(s)] for s in seeds if str(s) in by_seed]
+        seeds_done = [s for s in seeds if str(s) in by_seed]
+        done = [by_seed[str(s)] for s in seeds_done]
         if not done:
             continue
         deltas = [r["held_out"]["change"] for r in done]
@@ -181,7 +182,7 @@ def report(
             "optimizer_steps": [sum(per_iteration(r, "optimizer_steps")) for r in done],
             "tokens": [sum(per_iteration(r, "tokens")) for r in done],
             "trainer_seconds": [r["trainer_seconds"] for r in done],
-            **({"probe": done[0]["probe"]} if "probe" in done[0] else {}),
+            **{f"probe_seed{s}": r["probe"] for s, r in zip(seeds_done, done, strict=True) if "probe" in r},
         }
     verdicts = []
     if {"trace", "uniform"} <= results.keys():

@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.vllm import VLLMEngine
 from trace_lightning.models import build_policy, build_tiny_model
+from trace_lightning.module import ModuleSettings
 
 pytestmark = pytest.mark.vllm
 
@@ -146,7 +147,9 @@ def test_branching_reuses_the_prefix_and_a_sync_resets_the_cache(model_dir):
 def test_trace_iterations_through_lightning_with_vllm(model_dir):
     """Two TRACE iterations: the second samples after a training epoch, so it needs a real sync."""
     torch.manual_seed(0)
-    module = trace_module(model_dir, sampling=SAMPLING)
+    # every step moves the weights (the random policy rarely has contrast), so there is a change to push
+    moving = ModuleSettings(hold_on_zero_gradient=False)
+    module = trace_module(model_dir, sampling=SAMPLING, settings=moving)
     data = make_data(engine=functools.partial(VLLMEngine, **LLM_ARGS), sampling=SAMPLING)
     mismatches, syncs = [], []
 
