@@ -164,3 +164,11 @@ def test_the_example_trains_from_the_cli_as_the_guide_says(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TRACE summary: 1 iterations" in proc.stdout
     assert "capitals_env.CapitalsEnv" in (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+
+
+def test_the_trainer_refuses_a_broken_user_environment_at_start_up():
+    from trace_lightning.trainer import check_env_at_start
+
+    with pytest.raises(ValueError, match=r"env=broken breaks rules(.|\n)*step raised KeyError"):
+        check_env_at_start(Broken("raises"))
+    check_env_at_start(Broken("none"))  # a sound one passes
