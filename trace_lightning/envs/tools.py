@@ -114,7 +114,9 @@ PARSERS: dict[str, ToolFormat] = {
 
 def tool_format(name: str) -> ToolFormat:
     if name not in PARSERS:
-        raise ValueError(f"env.tool_format={name!r}: use one of {sorted(PARSERS)}")
+        raise ValueError(
+            f"tool_format={name!r} (the environment's call format): use one of {sorted(PARSERS)}"
+        )
     return PARSERS[name]
 
 
