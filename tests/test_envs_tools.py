@@ -55,6 +55,14 @@ def test_the_schema_comes_from_the_signature_and_the_docstring():
         schemas([undocumented])
 
 
+def assert_parsed(got, expected):
+    """`expected`: the call, None (no call), or a phrase the BadCall's message must hold."""
+    if isinstance(expected, str):
+        assert isinstance(got, BadCall) and expected in got.message
+    else:
+        assert got == expected
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -68,11 +76,7 @@ def test_the_schema_comes_from_the_signature_and_the_docstring():
     ],
 )
 def test_hermes_calls(text, expected):
-    got = parse_hermes(text)
-    if isinstance(expected, str):
-        assert isinstance(got, BadCall) and expected in got.message
-    else:
-        assert got == expected
+    assert_parsed(parse_hermes(text), expected)
 
 
 @pytest.mark.parametrize(
@@ -86,11 +90,7 @@ def test_hermes_calls(text, expected):
     ],
 )
 def test_llama3_json_calls(text, expected):
-    got = parse_llama3_json(text)
-    if isinstance(expected, str):
-        assert isinstance(got, BadCall) and expected in got.message
-    else:
-        assert got == expected
+    assert_parsed(parse_llama3_json(text), expected)
 
 
 def test_bad_calls_are_tool_errors_never_exceptions():
