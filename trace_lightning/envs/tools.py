@@ -25,6 +25,7 @@ an exception: it counts in `rollout/format_errors` or `rollout/tool_errors`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from trace_lightning.envs.base import Task, Transition
 
 MAX_CALL_CHARS = 16_000  # a call longer than this is refused before it is parsed
 MAX_RESULT_CHARS = 4_000  # a tool's result is cut to this (the runner also bounds observations)
+MAX_ARGUMENT_DEPTH = 16  # nesting of a call's JSON (lists and objects); the shipped tools need 2
+MAX_ARGUMENT_INT = 2**53  # JSON's safe integers: a bigger one is refused before any tool sees it
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,26 @@ def _json_object(body: str, example: str, max_chars: int = MAX_CALL_CHARS) -> di
         return BadCall(f"the call is not valid JSON: write {example}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return BadCall(f'the call needs a "name": write {example}')
-    return obj
+    problem = unbounded_value(obj)
+    return BadCall(problem) if problem else obj
+
+
+def unbounded_value(value: Any) -> str | None:
+    """Why a parsed JSON value is out of bounds for a tool, or None: nesting deeper than
+    MAX_ARGUMENT_DEPTH, a number that is not finite (`json` reads NaN, Infinity and 1e999 as floats),
+    or an integer beyond MAX_ARGUMENT_INT. Iterative, so no depth of nesting can raise here."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= MAX_ARGUMENT_DEPTH:
+                return f"the call nests deeper than {MAX_ARGUMENT_DEPTH} levels: pass flat arguments."
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"the call holds the number {item}: arguments must be finite numbers."
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_ARGUMENT_INT:
+            return f"the call holds an integer beyond {MAX_ARGUMENT_INT}: use a smaller number."
+    return None
 
 
 HERMES_EXAMPLE = '<tool_call>{"name": "<tool>", "arguments": {"<parameter>": <value>}}</tool_call>'
@@ -150,7 +172,10 @@ def run_call(
         result = functions[call.name](**call.arguments)
     except Exception as err:  # the tool's own failure on this input, shown to the policy
         return f"error: {call.name} failed: {type(err).__name__}: {str(err)[:200]}", True
-    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    try:
+        text = result if isinstance(result, str) else json.dumps(result, default=str)
+    except (ValueError, TypeError, RecursionError) as err:  # e.g. an int too long to print, a cycle
+        return f"error: {call.name} returned a value that cannot be shown: {type(err).__name__}", True
     return text[:MAX_RESULT_CHARS], False
 
 
