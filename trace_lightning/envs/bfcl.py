@@ -57,7 +57,16 @@ from trace_lightning.envs.bfcl_prompt import (
     template_has_tools,
     tool_schemas,
 )
-from trace_lightning.envs.bfcl_world import ERROR_PREFIX, CallRejected, Replay, api_class, owners, shown
+from trace_lightning.envs.bfcl_world import (
+    ERROR_PREFIX,
+    MAX_WORLD_CHARS,
+    CallRejected,
+    Replay,
+    WorldTooLarge,
+    api_class,
+    owners,
+    shown,
+)
 from trace_lightning.envs.tools import BadCall, parse_hermes
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -136,6 +145,8 @@ class BFCLEnv:
             choosing the richest doc level that fits (full, compact, signatures; bfcl_prompt.py).
         reward: "official" (BFCL's verdict, 0/1) or "turns" (the share of user turns that passed).
         replay_cache: API states kept for replay (bfcl_world.Replay).
+        max_world_chars: the largest simulated world a call may leave, as `bfcl_world.world_size` counts
+            it; a call past it ends the episode with reward 0 (stop reason `world_cap`).
     """
 
     name = "bfcl"
@@ -150,6 +161,7 @@ class BFCLEnv:
         max_doc_chars: int = 16000,
         reward: Literal["official", "turns"] = "official",
         replay_cache: int = 256,
+        max_world_chars: int = MAX_WORLD_CHARS,
     ) -> None:
         if max_calls_per_turn < 1:
             raise ValueError(f"env.max_calls_per_turn={max_calls_per_turn} must be >= 1")
@@ -160,7 +172,7 @@ class BFCLEnv:
         if not 0 <= held_out < len(self.entries):
             raise ValueError(f"env.held_out={held_out} must be in [0, {len(self.entries) - 1}]")
         self.held_out = held_out
-        self.replay = Replay(replay_cache)
+        self.replay = Replay(replay_cache, max_world_chars)
         self.levels = {n: self._level(e, max_doc_chars) for n, e in self.entries.items()}
         self._tasks = [Task(n, e.turns[0], _truth_text(e)) for n, e in self.entries.items()]
 
@@ -208,6 +220,8 @@ class BFCLEnv:
             _, results = self.replay.extend(entry, state.calls, move, owners(entry))
         except CallRejected as err:
             return _observe(f"Error: {err}", tried, tool=move.name, tool_error=True)
+        except WorldTooLarge as err:  # the state would not fit: nothing is kept, the entry fails
+            return Transition(f"Error: {err}", True, 0.0, "world_cap", tried, tool=move.name, tool_error=True)
         done = replace(tried, calls=(*state.calls, move))
         return _observe(results[-1], done, tool=move.name, tool_error=results[-1].startswith(ERROR_PREFIX))
 

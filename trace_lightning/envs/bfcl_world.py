@@ -17,13 +17,16 @@ dunder name, never another attribute. Arguments are JSON values (json.loads or a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import decimal
 import importlib
 import inspect
 import json
+import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import cache
 from typing import Any
 
@@ -36,10 +39,60 @@ ERROR_PREFIX = (
 )
 
 Instances = dict[str, Any]  # class name -> API instance
+# The largest world the ground truth builds, by world_size: 74,816 characters (long_context; 3,507 in
+# the other subsets). The cap leaves 13x that for a policy's own detours and stops exponential growth
+# (a `cp` doubling reaches it in 19 calls); walking a world at the cap takes ~45 ms, a ground-truth
+# world ~0.1 ms (measured on a 2-core CPU).
+MAX_WORLD_CHARS = 1_000_000
 
 
 class CallRejected(ValueError):
     """The call names no function the policy may call now; the message says which ones it may."""
+
+
+class WorldTooLarge(Exception):
+    """A call left the simulated world (or its own result) larger than the bound; the episode ends."""
+
+
+def world_size(value: Any, cap: int) -> int:
+    """The size of `value` in characters as a full listing would print it, counted until it passes `cap`.
+
+    Strings count their length, numbers and other leaves 8, containers 2 plus their items, and objects
+    of the API modules (files, directories, the APIs themselves) their attributes. Shared structure is
+    counted once per path, not once per object: the file system's `cp` shares subtrees, so a few dozen
+    calls can build a world whose objects are few but whose listing (`find`, `du`) is exponential.
+    A reference back to an object on the current path (a directory's parent) is not followed. The walk
+    is iterative (no recursion limit) and stops as soon as the count passes `cap`, so it costs at most
+    about `cap` leaf visits whatever was built.
+    """
+    total, on_path = 0, set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        obj, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(obj))
+            continue
+        if isinstance(obj, str):
+            total += len(obj) + 2
+        elif isinstance(obj, (dict, list, tuple, set, frozenset)) or type(obj).__module__.startswith(
+            API_PACKAGE
+        ):
+            if id(obj) in on_path:
+                continue
+            on_path.add(id(obj))
+            stack.append((obj, True))
+            total += 2
+            items = vars(obj) if not isinstance(obj, (dict, list, tuple, set, frozenset)) else obj
+            if isinstance(items, dict):
+                stack.extend((k, False) for k in items)
+                stack.extend((v, False) for v in items.values())
+            else:
+                stack.extend((v, False) for v in items)
+        else:
+            total += 8
+        if total > cap:
+            break
+    return total
 
 
 def api_class(name: str) -> type:
@@ -57,7 +110,9 @@ def fresh_instances(entry: Entry) -> Instances:
         if name not in STATELESS:
             instance._load_scenario(config.get(name, {}), long_context=entry.long_context)
         out[name] = instance
-    return out
+    # _load_scenario keeps module-level data by reference (a credit card, the long-context extensions):
+    # the copy cuts those links, so no call on these instances can change what the next load sees.
+    return copy.deepcopy(out)
 
 
 def public_method(cls: type, name: str) -> bool:
@@ -97,18 +152,129 @@ def execute(instances: Instances, owners: Mapping[str, str], call: Call) -> str:
     if owner is None or not public_method(type(instances[owner]), call.name):
         raise CallRejected(f"{call.name!r} is not an available function; available: {', '.join(owners)}")
     args, kwargs = call.values()
+    if (problem := out_of_bounds(call.name, kwargs)) is not None:
+        return f"{ERROR_PREFIX}{problem}"
     try:
-        result = getattr(instances[owner], call.name)(*args, **kwargs)
+        with MODULE_STATE.guarded():
+            result = getattr(instances[owner], call.name)(*args, **kwargs)
+        return _as_text(result)
     except Exception as err:  # a bad argument or an API error is a result the model sees, never a crash
-        return f"{ERROR_PREFIX}{err}"
+        return f"{ERROR_PREFIX}{describe(err)}"
+
+
+def _as_text(result: Any) -> str:
     if isinstance(result, str):
         return result
     if isinstance(result, dict):
         try:
             return json.dumps(result)
         except (TypeError, ValueError):
-            return str(result)
-    return str(result)
+            pass
+    return str(result)  # may raise (an int past 4,300 digits): execute turns that into an error result
+
+
+def describe(err: BaseException) -> str:
+    try:
+        return str(err)[:500]
+    except Exception:
+        return type(err).__name__
+
+
+# Arguments that set how much work one call does, with their bound. These calls hold the GIL (a big
+# `base ** exponent`, a square root or logarithm to a million digits, `round` to -10**9 places), so a
+# thread-based step timeout could not stop them; they are refused before they start instead. The
+# ground truth uses precision <= 10 and no power or rounding beyond a few digits.
+WORK_BOUNDS: dict[str, dict[str, int]] = {
+    "power": {"exponent": 1024},
+    "square_root": {"precision": 1000},
+    "logarithm": {"precision": 1000},
+    "round_number": {"decimal_places": 1000},
+}
+MAX_RESULT_DIGITS = 4000  # Python refuses to print an int longer than 4,300 digits
+
+
+def out_of_bounds(name: str, kwargs: Mapping[str, Any]) -> str | None:
+    """Why a call would do unbounded work, or None. Numbers are finite and within 2**53 already
+    (envs/tools.py's parser refuses the rest); this bounds the arguments that scale the work."""
+    for param, bound in WORK_BOUNDS.get(name, {}).items():
+        value = kwargs.get(param)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > bound:
+            return f"{name}: |{param}| must be at most {bound}, got {value}"
+    base, exponent = kwargs.get("base"), kwargs.get("exponent")
+    if name == "power" and isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1:
+        digits = abs(exponent) * math.log10(abs(base))
+        if digits > MAX_RESULT_DIGITS:
+            return f"power: the result would have about {digits:.0f} digits; the limit is {MAX_RESULT_DIGITS}"
+    return None
+
+
+class ModuleState:
+    """The API modules' module-level data, restored after any call that changes it.
+
+    BFCL's simulations keep data in module globals and some methods write to them by name (the long
+    context vehicle API stores the outside temperature into `LONG_WEATHER_EXTENSION`; MathAPI sets
+    mpmath's global precision). Instances never hold these objects (`fresh_instances` copies them
+    away), but a method can still reach them through its module. `guarded()` snapshots nothing per
+    call: a pristine deep copy of every mutable global is taken once, when the modules are first
+    imported, and after each call every global is compared with it (about 0.1 ms for all of them,
+    measured) and restored in place, so every module that imported the object by name sees it
+    restored too. mpmath's precision and the decimal context are saved and restored around the call.
+    """
+
+    def __init__(self) -> None:
+        self._pristine: list[tuple[Any, Any]] | None = None
+        self.restored = 0  # calls after which a module global had to be restored: for tests and logs
+
+    def _snapshot(self) -> list[tuple[Any, Any]]:
+        modules = {importlib.import_module(f"{API_PACKAGE}.{m}") for m, _ in API_CLASSES.values()}
+        modules.add(importlib.import_module(f"{API_PACKAGE}.long_context"))
+        seen: dict[int, tuple[Any, Any]] = {}
+        for module in modules:
+            for key, value in vars(module).items():
+                if (
+                    not key.startswith("__")
+                    and isinstance(value, (dict, list, set))
+                    and id(value) not in seen
+                ):
+                    clean = copy.deepcopy(value)
+                    if clean == value:  # one that holds a NaN never equals itself: nothing to compare
+                        seen[id(value)] = (value, clean)
+        return list(seen.values())
+
+    def pristine(self) -> list[tuple[Any, Any]]:
+        if self._pristine is None:
+            self._pristine = self._snapshot()
+        return self._pristine
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        import mpmath  # bfcl-eval's own dependency, installed beside it
+
+        pristine = self.pristine()
+        dps = mpmath.mp.dps
+        try:
+            with decimal.localcontext():
+                yield
+        finally:
+            mpmath.mp.dps = dps
+            changed = [(live, clean) for live, clean in pristine if live != clean]
+            for live, clean in changed:
+                _restore(live, copy.deepcopy(clean))
+            self.restored += bool(changed)
+
+
+def _restore(live: Any, clean: Any) -> None:
+    if isinstance(live, dict):
+        live.clear()
+        live.update(clean)
+    elif isinstance(live, list):
+        live[:] = clean
+    else:
+        live.clear()
+        live.update(clean)
+
+
+MODULE_STATE = ModuleState()
 
 
 class Replay:
@@ -120,10 +286,12 @@ class Replay:
     a key were checked against what was available when they were made.
     """
 
-    def __init__(self, max_items: int = 256) -> None:
+    def __init__(self, max_items: int = 256, max_world_chars: int = MAX_WORLD_CHARS) -> None:
         if max_items < 1:
             raise ValueError(f"env.replay_cache={max_items} must be >= 1")
-        self.max_items = max_items
+        if max_world_chars < 1:
+            raise ValueError(f"env.max_world_chars={max_world_chars} must be >= 1")
+        self.max_items, self.max_world_chars = max_items, max_world_chars
         self._items: OrderedDict[tuple[str, tuple[Call, ...]], tuple[Instances, tuple[str, ...]]] = (
             OrderedDict()
         )
@@ -148,9 +316,18 @@ class Replay:
         self, entry: Entry, calls: tuple[Call, ...], call: Call, available: Mapping[str, str]
     ) -> tuple[Instances, tuple[str, ...]]:
         """The instances and results after `calls + (call,)`, `call` checked against `available`
-        (function -> class); CallRejected leaves nothing cached."""
+        (function -> class); CallRejected leaves nothing cached, and so does WorldTooLarge, raised when
+        the world after the call, or the call's result, is larger than `max_world_chars`."""
         instances, results = self.after(entry, calls)
         result = execute(instances, available, call)
+        cap = self.max_world_chars
+        size = len(result) if len(result) > cap else world_size(instances, cap)
+        if size > cap:
+            what = "its result" if len(result) > cap else "the world it left"
+            raise WorldTooLarge(
+                f"{call.name} ran, but {what} is over {cap:,} characters (env.max_world_chars): "
+                "the episode ends"
+            )
         self._store(entry, (*calls, call), copy.deepcopy(instances), (*results, result))
         return instances, (*results, result)
 
