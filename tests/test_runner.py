@@ -254,6 +254,21 @@ def test_failing_reward_function_is_env_error(module: TraceModule):
     assert all(e.startswith("ZeroDivisionError: reward function") for e in data.report.counters.env_errors)
 
 
+@pytest.mark.parametrize("error", [MemoryError, RecursionError])
+def test_step_out_of_memory_or_recursion_is_env_error(module: TraceModule, error: type[BaseException]):
+    """A step that exhausts memory or the stack (a world grown without bound, a deeply nested
+    argument) fails its episode, is recorded, and the iteration still trains."""
+
+    def exhausted(tr: Transition) -> Transition:
+        raise error("the step's world grew past what the process can hold")
+
+    env = FaultyEnv(exhausted, when=lambda text: "B" in text)
+    data, batches = build(module, env)
+    n = assert_faulted(data, batches, module, "env_error")
+    assert len(data.report.counters.env_errors) == n
+    assert all(e.startswith(error.__name__) for e in data.report.counters.env_errors)
+
+
 def test_episode_limits_are_checked_when_made():
     for bad in (0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=r"data\.step_timeout"):
