@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+from helpers import listening
 from hydra import compose, initialize_config_dir
 
 from trace_lightning import config
@@ -26,6 +27,7 @@ class Record(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
+        self.store_listens = sorted(listening(int(os.environ["MASTER_PORT"])))  # while the store serves
 
     def on_train_epoch_start(self, trainer, pl_module):
         report = trainer.datamodule.report
@@ -41,6 +43,7 @@ class Record(L.Callback):
                 "local_leaves": sum(len(t.leaves()) for t in trainer.datamodule.report.local_trees),
                 "batches": len(trainer.train_dataloader),
                 "logprob_mismatch": report.logprob_mismatch,
+                "store_listens": self.store_listens,
             }
         )
 

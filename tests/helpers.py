@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,28 @@ def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses with a TCP socket in LISTEN state on `port`, read from /proc/net (the
+    kernel's own table: IPv4 as little-endian hex, IPv6 as four little-endian words)."""
+    out = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        path = Path("/proc/net") / table
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:
+                continue
+            raw = bytes.fromhex(address)
+            if width == 8:
+                out.add(socket.inet_ntop(socket.AF_INET, raw[::-1]))
+            else:
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                out.add(socket.inet_ntop(socket.AF_INET6, words))
+    return out
 
 
 def require_bwrap() -> None:

@@ -34,3 +34,9 @@ def test_each_prompt_is_rolled_out_once_and_the_budget_holds_globally(ranks):
 def test_processes_run_the_same_number_of_micro_batches(ranks):
     for a, b in zip(*ranks, strict=True):
         assert a["batches"] == b["batches"] >= 1
+
+
+def test_the_rendezvous_store_listens_on_loopback_only(ranks):
+    """One machine, MASTER_ADDR unset: Lightning's 127.0.0.1, and not every address as torch's default."""
+    zero, _ = ranks
+    assert zero[0]["store_listens"] == ["127.0.0.1"]

@@ -35,6 +35,7 @@ from trace_lightning.checkpoints.files import clean_stale_temps, temp_path
 from trace_lightning.checkpoints.reader import load_sharded
 from trace_lightning.checkpoints.shards import RANK_STATES, VERIFIED
 from trace_lightning.checkpoints.validate import check_strategy
+from trace_lightning.rendezvous import open_local_group
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -57,6 +58,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(
             data_parallel_size=devices * num_nodes, tensor_parallel_size=1, save_distributed_checkpoint=True
         )
+
+    def _setup_distributed(self) -> None:
+        """The process group of a one-machine run on a store bound to MASTER_ADDR (`rendezvous`)."""
+        self.set_world_ranks()
+        device = {"device_id": self.root_device} if self.root_device.type != "cpu" else {}
+        open_local_group(self, timeout=self._timeout, **device)
+        super()._setup_distributed()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         io = self.checkpoint_io

@@ -43,6 +43,7 @@ from trace_lightning.losses import LossSettings
 from trace_lightning.models import build_policy
 from trace_lightning.module import ModuleSettings, TraceModule
 from trace_lightning.predictor import PredictorSettings
+from trace_lightning.rendezvous import LocalDDPStrategy
 from trace_lightning.run_record import (
     MODEL_TRAINING_VIEW,
     close_dead_run,
@@ -89,8 +90,14 @@ def build(cfg: DictConfig) -> tuple[TraceModule, RolloutDataModule, L.Trainer]:
     logger = _logger(cfg, parts.allocator, parts.env, model_path, ckpt)
     write_record(Path(cfg.run_dir), getattr(logger, "run_id", None), getattr(logger, "_tracking_uri", None))
     callbacks = [_make(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    # `ddp` names Lightning's strategy; ours differs only in binding a one-machine run's store to loopback
+    local = {"strategy": LocalDDPStrategy()} if cfg.trainer.get("strategy") == "ddp" else {}
     trainer = instantiate(
-        cfg.trainer, logger=logger if logger is not None else False, callbacks=callbacks, plugins=[io]
+        cfg.trainer,
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        plugins=[io],
+        **local,
     )
     return module, parts.data, trainer
 
