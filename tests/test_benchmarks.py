@@ -29,6 +29,24 @@ def test_allocation_benchmark_quick_mode(tmp_path):
         assert 0.0 <= r["mixed_prompts_per_iter"] <= r["prompts_per_iter"]
 
 
+def test_env_bounds_benchmark(tmp_path):
+    pytest.importorskip("bfcl_eval", reason="the BFCL data ships in bfcl-eval: run `make install`")
+    out = tmp_path / "env_bounds.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/env_bounds.py", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    growth, cap = result["growth"], result["growth"]["cap_chars"]
+    assert growth["stop_reason"] == "world_cap" and growth["reward"] == 0.0 and growth["calls_until_end"] < 40
+    assert all(s["max_world_chars"] < cap / 10 for s in result["ground_truth"].values())
+    assert set(result["hostile_slowest_step_ms"]) == {"search_qa", "math_tool", "bfcl", "chain"}
+
+
 def test_real_learning_quick_mode(tmp_path):
     """The real-model learning benchmark through the product's loop (tiny model on chain): equal
     leaves, held-out tasks never trained on, the issue's figures present and consistent with the rows."""
