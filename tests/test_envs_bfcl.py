@@ -463,14 +463,14 @@ def test_runner_plays_a_conversation_and_a_continuation_restores_its_prefix():
 
 
 def test_warm_start_examples_train_every_call_and_end_each_reply_with_eos():
-    from trace_lightning.demos import bfcl_demo
+    from trace_lightning.demos import demonstrate
     from trace_lightning.models import build_tiny_tokenizer
     from trace_lightning.warmstart import IGNORE, select_examples, to_example
 
     tok = build_tiny_tokenizer()
     env = BFCLEnv("base", max_doc_chars=5000)
     task = next(t for t in env.tasks() if t.task_id == 100)
-    demo = bfcl_demo(env, task)
+    demo = demonstrate(env, task)
     assert demo.actions == (
         call("get_stock_info", symbol="NVDA"),
         "Done.",
@@ -488,7 +488,7 @@ def test_warm_start_examples_train_every_call_and_end_each_reply_with_eos():
         if not action.endswith("</tool_call>"):
             expected.append(tok.eos_token_id)
     assert trained == expected and trained.count(tok.eos_token_id) == 2
-    longer = bfcl_demo(env, next(t for t in env.tasks() if t.task_id == 11))
+    longer = demonstrate(env, next(t for t in env.tasks() if t.task_id == 11))
     sizes = [len(to_example(tok, "", d, env=env).input_ids) for d in (demo, longer)]
     kept = select_examples(tok, env, [demo, longer], min(sizes), None)  # the token cap keeps the shorter
     assert [len(e.input_ids) for e in kept] == [min(sizes)]

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 from trace_lightning import config, trainer
 from trace_lightning.allocation import Budget, BudgetLedger
-from trace_lightning.demos import demonstrations, generated_expression, math_tool_demo
+from trace_lightning.demos import demonstrations
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task
-from trace_lightning.envs.math_tool import MathToolEnv
+from trace_lightning.envs.math_tool import MathToolEnv, generated_steps
 from trace_lightning.envs.search_qa import SearchQAEnv
 from trace_lightning.iteration import Branch
 from trace_lightning.runner import ReActRunner
@@ -70,14 +70,14 @@ def test_search_qa_demonstrations_replay_to_the_gold_reward(reward):
     assert "Paris is the capital" in demos[1].observations[0]
 
 
-def test_generated_expression_reads_the_problem_sentences():
+def test_generated_steps_read_the_problem_sentences():
     question = (
         "Tom has 12 apples. Then Tom buys 7 more. Then Tom ends up with 3 times as many. "
         "Then Tom gives away 5. How many apples does Tom have now?"
     )
-    assert generated_expression(question) == "((12 + 7) * 3) - 5"  # = 52
-    assert generated_expression("Ann has 9 pens. How many pens does Ann have now?") == "9"
-    assert generated_expression("Natalia sold clips to 48 of her friends.") is None  # GSM8K-style
+    assert generated_steps(question) == ("12", [("+", "7"), ("*", "3"), ("-", "5")])  # = 52
+    assert generated_steps("Ann has 9 pens. How many pens does Ann have now?") == ("9", [])
+    assert generated_steps("Natalia sold clips to 48 of her friends.") is None  # GSM8K-style
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3])
@@ -91,7 +91,7 @@ def test_math_tool_demonstrations_replay_to_the_gold_reward(difficulty):
         assert observations[-1] == f"<observation>= {demo.task.answer[0]}</observation>"
         assert len(demo.actions) == difficulty + 1  # one calculation per step of the story, the answer
     gsm8k_like = Task(0, "Natalia sold clips to 48 of her friends in April.", ("72",))
-    assert math_tool_demo(env, gsm8k_like) is None
+    assert env.demonstration(gsm8k_like) is None
 
 
 @pytest.mark.skipif(not HAS_DATA, reason="FanOutQA/Wikipedia data not installed: run `make data`")

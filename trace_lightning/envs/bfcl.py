@@ -114,6 +114,12 @@ def parse_move(text: str) -> Call | Malformed | Reply:
     return Call.make(parsed.name, parsed.arguments)
 
 
+DONE_REPLY = "Done."  # the demonstrations' reply ending a user turn whose request the calls fulfilled
+CANNOT_REPLY = (
+    "I cannot do that with the functions I have, or a value I need is missing. Please tell me more."
+)
+
+
 def call_text(call: Call) -> str:
     """The call as the policy writes it (keyword arguments only)."""
     args, kwargs = call.values()
@@ -203,6 +209,16 @@ class BFCLEnv:
         extra = {"tools": tool_schemas(docs, level)} if tools else {}
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def demonstration(self, task: Task) -> list[str]:
+        """The warm start's demonstration: the entry's ground-truth calls, one `<tool_call>` per policy
+        turn as the policy writes them, and a reply ending each user turn ("Done.", or saying it cannot
+        where the ground truth makes no call). The warm start keeps it when BFCL's verdict is 1.0."""
+        entry, actions = self.entries[task.task_id], []
+        for turn in entry.ground_truth:
+            actions += [call_text(keyword_call(entry, call)) for call in turn]
+            actions.append(DONE_REPLY if turn else CANNOT_REPLY)
+        return actions
 
     def step(self, task: Task, state: BFCLState, action_text: str) -> Transition:
         entry = self.entries[task.task_id]

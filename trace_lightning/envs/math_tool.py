@@ -170,6 +170,32 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
     return " ".join(sentences), str(value)
 
 
+_START = re.compile(r"^\w+ has (\d+) ")
+_STEPS = (
+    (re.compile(r"buys (\d+) more"), "+"),
+    (re.compile(r"gives away (\d+)"), "-"),
+    (re.compile(r"ends up with (\d+) times as many"), "*"),
+    (re.compile(r"splits them into (\d+) equal groups"), "/"),
+)
+
+
+def generated_steps(question: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(starting number, [(operator, number), ...]) that a generated word problem spells out, or None.
+
+    Reads the sentences `generate_problems` writes; any other text (a GSM8K problem) gives None.
+    """
+    start = _START.match(question)
+    if start is None:
+        return None
+    steps = []
+    for sentence in question.split(". ")[1:]:
+        for pattern, op in _STEPS:
+            if (m := pattern.search(sentence)) is not None:
+                steps.append((op, m.group(1)))
+                break
+    return start.group(1), steps
+
+
 def strip_annotations(solution: str) -> str:
     """GSM8K solutions carry calculator annotations: "48/2 = <<48/2=24>>24" -> "48/2 = 24"."""
     return re.sub(r"<<[^<>]*>>", "", solution)
@@ -302,6 +328,30 @@ class MathToolEnv:
                 _observe(f"error: {err}"), False, None, None, calls, tool="calculate", tool_error=True
             )
         return Transition(_observe(f"= {result}"), False, None, None, calls, tool="calculate")
+
+    def demonstration(self, task: Task) -> list[str] | None:
+        """The warm start's demonstration: one `<calculate>` per step the problem spells out, each on
+        the calculator's previous result (its real output), then the gold; a story with no step is one
+        call that confirms the number. None where the text does not determine the steps (GSM8K) or the
+        calculator's last result is not the gold."""
+        read = generated_steps(task.question)
+        if read is None:
+            return None
+        value, steps = read
+        state, actions = self.initial_state(task), []
+        for op, number in steps or [("", "")]:
+            action = (
+                f"<calculate>{value} {op} {number}</calculate>" if op else f"<calculate>{value}</calculate>"
+            )
+            tr = self.step(task, state, action)
+            shown = re.fullmatch(r"<observation>= (-?[\d.]+)</observation>", tr.observation)
+            if tr.done or tr.tool_error or shown is None:
+                return None
+            state, value = tr.state, shown.group(1)
+            actions.append(action)
+        if not numbers_match(value, task.answer[0]):
+            return None
+        return [*actions, f"<answer>{task.answer[0]}</answer>"]
 
     def _python(self, code: str, calls: tuple[int]) -> Transition:
         assert self._sandbox is not None  # "python" is an allowed action only when the tool is on

@@ -298,6 +298,19 @@ class SearchQAEnv:
             )
         return self._index
 
+    def demonstration(self, task: Task) -> list[str] | None:
+        """The warm start's demonstration: search the question (then each page the data cites for it,
+        by title, with the question) until a result shows the gold, then answer the gold; None if no
+        search shows it, so the model is never taught to answer what its tool did not show."""
+        question = task.question.rstrip("?").strip()
+        golds = [g for g in map(normalize_answer, task.answer) if g]
+        for query in [question, *(f"{title} {question}" for title in self.cited.get(task.task_id, ()))]:
+            search = f"<search>{query}</search>"
+            shown = normalize_answer(self.step(task, self.initial_state(task), search).observation)
+            if any(gold in shown for gold in golds):
+                return [search, f"<answer>{task.answer[0]}</answer>"]
+        return None
+
     def _final_reply(self, text: str) -> bool:
         """With untagged_reply="answer", a reply that opens no action tag is the final answer, as a chat
         message without a tool call is in function-calling agents (small models rarely use tags)."""
