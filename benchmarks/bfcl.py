@@ -45,7 +45,7 @@ from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.envs.bfcl import BFCLEnv
-from trace_lightning.envs.bfcl_data import SUBSETS, Entry
+from trace_lightning.envs.bfcl.data import SUBSETS, Entry
 from trace_lightning.evaluation import EvalSettings
 from trace_lightning.iteration import Branch
 from trace_lightning.models import build_policy, build_tiny_model, prepare_gemma3, prepare_smollm2

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trace_lightning.envs import bfcl_world
 from trace_lightning.envs.bfcl import BFCLEnv
-from trace_lightning.envs.bfcl_data import SUBSETS, load_entries
+from trace_lightning.envs.bfcl import world as bfcl_world
+from trace_lightning.envs.bfcl.data import SUBSETS, load_entries
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.search_qa import SearchQAEnv

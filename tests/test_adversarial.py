@@ -6,7 +6,7 @@ turn. Each environment must answer each with a valid transition, quickly, and ne
 would end the episode as `env_error`, but that is the last line of defence, not the design).
 
 BFCL runs the model's calls in this process, on pure-Python simulations, so it has bounds of its
-own (envs/bfcl_world.py): the world a call leaves (`max_world_chars`, counted as a listing would
+own (envs/bfcl/world.py): the world a call leaves (`max_world_chars`, counted as a listing would
 print it, because `cp` shares subtrees and a few dozen calls can make the listing exponential), the
 arguments that scale a call's work (they hold the GIL, so no thread timeout could stop them), and the
 module-level data of the simulations, which no episode may change for the next one.
@@ -31,9 +31,9 @@ from trace_lightning.runner import transition_problem
 
 pytest.importorskip("bfcl_eval", reason="the BFCL data ships in bfcl-eval: run `make install`")
 
-from trace_lightning.envs import bfcl_world
 from trace_lightning.envs.bfcl import BFCLEnv
-from trace_lightning.envs.bfcl_data import SUBSETS, Call, load_entries
+from trace_lightning.envs.bfcl import world as bfcl_world
+from trace_lightning.envs.bfcl.data import SUBSETS, Call, load_entries
 
 STEP_SECONDS = 2.0  # every hostile step here takes milliseconds; a hang or a GIL-holding call takes far more
 

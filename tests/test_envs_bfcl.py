@@ -13,11 +13,11 @@ import pytest
 from trace_lightning.allocation import Budget, BudgetLedger
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.envs.base import split_tasks
-from trace_lightning.envs.bfcl import BFCLEnv, BFCLState, Malformed, Reply, call_text, parse_move
-from trace_lightning.envs.bfcl_checker import call_overlap, compare_states, missing_results
-from trace_lightning.envs.bfcl_data import SUBSETS, Call, CallSyntaxError, load_entries, parse_call_string
-from trace_lightning.envs.bfcl_prompt import docs_for, system_prompt
-from trace_lightning.envs.bfcl_world import Replay, owners, shown
+from trace_lightning.envs.bfcl.checker import call_overlap, compare_states, missing_results
+from trace_lightning.envs.bfcl.data import SUBSETS, Call, CallSyntaxError, load_entries, parse_call_string
+from trace_lightning.envs.bfcl.env import BFCLEnv, BFCLState, Malformed, Reply, call_text, parse_move
+from trace_lightning.envs.bfcl.prompt import docs_for, system_prompt
+from trace_lightning.envs.bfcl.world import Replay, owners, shown
 
 # bfcl-eval ships with `make install` (DATA_PACKAGES); the modules above import it only when used
 pytestmark = pytest.mark.skipif(

@@ -87,7 +87,7 @@ def parse_hermes(
     text: str, example: str = HERMES_EXAMPLE, max_chars: int = MAX_CALL_CHARS
 ) -> ToolCall | BadCall | None:
     """The first `<tool_call>{...}</tool_call>` of the turn; None when the turn has none. `example` is
-    the call format an error message shows (envs/bfcl.py passes its own, and its longer limit)."""
+    the call format an error message shows (envs/bfcl/env.py passes its own, and its longer limit)."""
     start = text.find("<tool_call>")
     if start < 0:
         return None

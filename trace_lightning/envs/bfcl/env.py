@@ -1,16 +1,16 @@
 """`env=bfcl`: BFCL v4 multi-turn function calling (the paper's third scenario), stateful and branchable.
 
 An episode is a whole BFCL conversation. The prompt holds the function docs and the first user turn
-(`bfcl_prompt.py`); in each user turn the policy makes calls, one per policy turn (an optional short
+(`prompt.py`); in each user turn the policy makes calls, one per policy turn (an optional short
 thought, then `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), and each call's execution
 result (or error) is the next observation. A policy turn without a call is a reply that ends the user
-turn: the checker runs (`bfcl_checker.py`), and the next user message arrives as the observation. The
+turn: the checker runs (`checker.py`), and the next user message arrives as the observation. The
 episode ends after the last user turn, with BFCL's verdict as the reward (1.0 only if every turn
 passed), or earlier with reward 0 when a user turn reaches `max_calls_per_turn` call attempts and the
 policy tries one more (BFCL force-quits the entry after 20 steps in a turn: `call_cap`).
 
 Calls are parsed with `json` (never `eval`); only functions documented for the entry (its classes'
-docs less `excluded_function`) run, as public methods of their API class (`bfcl_world.py`). In
+docs less `excluded_function`) run, as public methods of their API class (`world.py`). In
 miss_func a held-out function is shown only from its reveal turn, but it can be called before, as
 BFCL's executor allows (one ground truth, miss_func_49, calls `tail` two turns before revealing it).
 Whatever goes wrong —
@@ -19,7 +19,7 @@ error observation, never a crash. (BFCL's own inference loop ends the user turn 
 cannot decode; we show the error and let the policy retry within the cap.)
 
 State: `BFCLState`, immutable. The APIs themselves are rebuilt from (entry id, calls executed so far) by
-replay (`bfcl_world.Replay`, cached), so a continuation from any turn prefix sees that prefix's state.
+replay (`world.Replay`, cached), so a continuation from any turn prefix sees that prefix's state.
 The final state carries every turn's verdict: `diagnostics` reads turns passed, state score and call
 overlap from it.
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from trace_lightning.envs.base import Task, Transition
-from trace_lightning.envs.bfcl_checker import (
+from trace_lightning.envs.bfcl.checker import (
     TurnVerdict,
     call_overlap,
     check_turn,
@@ -46,8 +46,8 @@ from trace_lightning.envs.bfcl_checker import (
     state_score,
     turns_reward,
 )
-from trace_lightning.envs.bfcl_data import Call, Entry, load_entries
-from trace_lightning.envs.bfcl_prompt import (
+from trace_lightning.envs.bfcl.data import Call, Entry, load_entries
+from trace_lightning.envs.bfcl.prompt import (
     SYSTEM_PROMPT,
     TEMPLATE_SYSTEM_PROMPT,
     choose_level,
@@ -57,7 +57,7 @@ from trace_lightning.envs.bfcl_prompt import (
     template_has_tools,
     tool_schemas,
 )
-from trace_lightning.envs.bfcl_world import (
+from trace_lightning.envs.bfcl.world import (
     ERROR_PREFIX,
     MAX_WORLD_CHARS,
     CallRejected,
@@ -148,10 +148,10 @@ class BFCLEnv:
             `data.held_out` and the warm start's `held_out` read this value from `conf/env/bfcl.yaml`.
         max_calls_per_turn: call attempts allowed in one user turn; one more ends the episode (reward 0).
         max_doc_chars: the system prompt (instructions + docs) is kept within this many characters by
-            choosing the richest doc level that fits (full, compact, signatures; bfcl_prompt.py).
+            choosing the richest doc level that fits (full, compact, signatures; prompt.py).
         reward: "official" (BFCL's verdict, 0/1) or "turns" (the share of user turns that passed).
-        replay_cache: API states kept for replay (bfcl_world.Replay).
-        max_world_chars: the largest simulated world a call may leave, as `bfcl_world.world_size` counts
+        replay_cache: API states kept for replay (world.Replay).
+        max_world_chars: the largest simulated world a call may leave, as `world.world_size` counts
             it; a call past it ends the episode with reward 0 (stop reason `world_cap`).
     """
 

@@ -1,7 +1,7 @@
 """BFCL v4 multi-turn data: entries, ground truth and function docs, read from the files that
 `bfcl-eval==2026.3.23` (Apache-2.0) ships. Nothing of that package is imported here: its handlers and
 utils pull in network clients, so we only locate it with `importlib.util.find_spec` and read its JSON
-(`bfcl_world.py` imports the pure-Python API classes, and nothing else).
+(`world.py` imports the pure-Python API classes, and nothing else).
 
 Four subsets of 200 entries each, as BFCL defines them:
 - base: a conversation of 1-7 user turns over one or two stateful APIs;

@@ -30,8 +30,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from trace_lightning.envs.bfcl_data import Call
-from trace_lightning.envs.bfcl_world import Instances, api_class
+from trace_lightning.envs.bfcl.data import Call
+from trace_lightning.envs.bfcl.world import Instances, api_class
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from trace_lightning.envs.bfcl_data import function_docs
+from trace_lightning.envs.bfcl.data import function_docs
 
 DOC_LEVELS = ("full", "compact", "signatures")
 _PREAMBLE_SPLIT = "Tool description: "

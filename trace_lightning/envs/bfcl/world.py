@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from functools import cache
 from typing import Any
 
-from trace_lightning.envs.bfcl_data import API_CLASSES, Call, Entry, function_docs
+from trace_lightning.envs.bfcl.data import API_CLASSES, Call, Entry, function_docs
 
 API_PACKAGE = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 STATELESS = frozenset({"MathAPI"})  # BFCL builds it without a scenario (its STATELESS_CLASSES)
