@@ -45,14 +45,8 @@ import transformers
 from common import PhaseClock, bench_module, lora_config, peak_rss_gib, train_iteration
 
 from trace_lightning import allocation as alloc
-from trace_lightning.batching import (
-    RolloutBatch,
-    TreeGRPO,
-    collate,
-    collate_packed,
-    leaf_sequences,
-    node_advantages,
-)
+from trace_lightning.advantages import TreeGRPO, node_advantages
+from trace_lightning.batching import RolloutBatch, collate, collate_packed, leaf_sequences
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine

@@ -11,8 +11,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from trace_lightning.advantages import TreeGRPO
 from trace_lightning.allocation import Budget
-from trace_lightning.batching import TreeGRPO
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.models import build_policy

@@ -2,16 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lightning.batching import (
-    GRPO,
-    Batching,
-    TreeGRPO,
-    TreeSegment,
-    collate,
-    leaf_sequences,
-    node_advantages,
-    step_layout,
-)
+from trace_lightning.advantages import GRPO, TreeGRPO, TreeSegment, node_advantages
+from trace_lightning.batching import Batching, collate, leaf_sequences, step_layout
 from trace_lightning.tree import RolloutTree
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from trace_lightning import advantages as adv
 from trace_lightning import allocation as alloc
-from trace_lightning.batching import ESTIMATORS, node_advantages
+from trace_lightning.advantages import ESTIMATORS, node_advantages
 from trace_lightning.envs.actions import MAX_ARGUMENT_CHARS, Action, ActionError, parse_action
 from trace_lightning.envs.math_tool import MAX_MAGNITUDE, CalculatorError, safe_calculate
 from trace_lightning.envs.scoring import (

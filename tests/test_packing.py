@@ -12,14 +12,8 @@ import pytest
 import torch
 from helpers import rollout_data, trace_module
 
-from trace_lightning.batching import (
-    ESTIMATORS,
-    GRPO,
-    collate,
-    collate_packed,
-    leaf_sequences,
-    node_advantages,
-)
+from trace_lightning.advantages import ESTIMATORS, GRPO, node_advantages
+from trace_lightning.batching import collate, collate_packed, leaf_sequences
 from trace_lightning.losses import LossSettings, SeqMeanTokenMean, TokenMean
 from trace_lightning.module import TraceModule
 from trace_lightning.packing import budget_groups, pack, packed_tokens

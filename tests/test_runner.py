@@ -25,7 +25,8 @@ import torch
 from helpers import quiet_trainer, rollout_data, trace_module
 
 from trace_lightning import allocation as alloc
-from trace_lightning.batching import ESTIMATORS, RolloutBatch
+from trace_lightning.advantages import ESTIMATORS
+from trace_lightning.batching import RolloutBatch
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task, Transition
@@ -131,7 +132,7 @@ def build(
     engine: type[ScriptedEngine] = ScriptedEngine,
     allocator: alloc.TreeAllocator | None = None,
     leaves: int = 8,
-    estimator: str = "tree_grpo",  # a name in batching.ESTIMATORS
+    estimator: str = "tree_grpo",  # a name in advantages.ESTIMATORS
     **runner_kw: Any,
 ) -> tuple[RolloutDataModule, list[RolloutBatch]]:
     """One iteration with these episode limits (the DataSettings fields)."""

@@ -1,7 +1,7 @@
 """From an iteration's trees to typed training batches.
 
-1. Node advantages for every tree with one estimator (`advantages.py`), under the once-per-node rule
-   of `tree.py`: leaf-level estimators hand each node the mean advantage of the leaves below it.
+1. Node advantages for every tree with one estimator (`advantages.Estimator`), under the once-per-node
+   rule of `tree.py`: leaf-level estimators hand each node the mean advantage of the leaves below it.
 2. One sequence per leaf: the full token path root -> leaf. Its loss mask covers the action tokens of
    the nodes that this leaf owns (each node is owned by exactly one leaf), and its predictor targets
    are the prefixes it owns, read at the last token of each prefix.
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from trace_lightning import advantages as adv
+from trace_lightning.advantages import Estimator, node_advantages
 from trace_lightning.packing import PackedRows, budget_groups, pack, packed_tokens
-from trace_lightning.tree import RolloutTree, backup, predictor_targets
+from trace_lightning.tree import RolloutTree, predictor_targets
 
 
 @dataclass(frozen=True)
@@ -54,141 +53,6 @@ class RolloutBatch:
     pred_targets: torch.Tensor  # [K]
     pred_weights: torch.Tensor  # [K]
     packed: PackedRows | None = None  # the same sequences tree-packed; None: run the rows as they are
-
-
-def _forest(trees: Sequence[RolloutTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Concatenated parents (offset, -1 at roots), per-node tree index and node offsets per tree."""
-    offsets = np.cumsum([0, *(len(t.nodes) for t in trees)])
-    parents = np.concatenate(
-        [np.where(t.parents() >= 0, t.parents() + o, -1) for t, o in zip(trees, offsets, strict=False)]
-    )
-    tree_of = np.concatenate([np.full(len(t.nodes), i) for i, t in enumerate(trees)])
-    return parents, tree_of, offsets
-
-
-class Estimator(Protocol):
-    """Node advantages of every node of every tree (one array per tree, root = 0). The `advantage`
-    config group selects one by `_target_` (conf/advantage/*.yaml)."""
-
-    name: str
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]: ...
-
-
-def _per_tree(trees: Sequence[RolloutTree], offsets: np.ndarray, flat: torch.Tensor) -> list[np.ndarray]:
-    flat_np = flat.numpy()
-    return [flat_np[offsets[i] : offsets[i + 1]] for i in range(len(trees))]
-
-
-def _from_leaves(
-    trees: Sequence[RolloutTree], leaf_advantages: Callable[..., torch.Tensor]
-) -> list[np.ndarray]:
-    """A leaf-level estimator's advantages, handed to the nodes under the once-per-node rule.
-    `leaf_advantages(rewards [L], prompt groups [L], first-turn groups [L])` -> [L]."""
-    if not trees:
-        return []
-    parents, tree_of, offsets = _forest(trees)
-    leaf_ids = np.concatenate(
-        [np.array(t.leaves(), dtype=np.int64) + o for t, o in zip(trees, offsets, strict=False)]
-    )
-    rewards = torch.tensor(
-        [n.reward for t in trees for n in t.nodes if n.reward is not None], dtype=torch.float64
-    )
-    groups = torch.tensor(tree_of[leaf_ids])
-    local = torch.tensor(_depth_one_ancestor(parents, leaf_ids))
-    leaf_adv = leaf_advantages(rewards, groups, local)
-    flat = adv.node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv)
-    return _per_tree(trees, offsets, flat)
-
-
-def _prompt_groups(
-    trees: Sequence[RolloutTree], leaf_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-) -> list[np.ndarray]:
-    """A leaf-level estimator over each prompt's leaves: `leaf_fn(rewards [L], groups [L]) -> [L]`."""
-    return _from_leaves(trees, lambda r, groups, _: leaf_fn(r, groups))
-
-
-@dataclass(frozen=True)
-class GRPO:
-    """Leaf reward standardised within its prompt's leaves (`advantages.grpo`)."""
-
-    name = "grpo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _prompt_groups(trees, adv.grpo)
-
-
-@dataclass(frozen=True)
-class DrGRPO:
-    """Leaf reward centred within its prompt's leaves, no std division (`advantages.dr_grpo`)."""
-
-    name = "dr_grpo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _prompt_groups(trees, adv.dr_grpo)
-
-
-@dataclass(frozen=True)
-class RLOO:
-    """Leaf reward minus the mean of its prompt's other leaves (`advantages.rloo`)."""
-
-    name = "rloo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _prompt_groups(trees, adv.rloo)
-
-
-@dataclass(frozen=True)
-class TreeGRPO:
-    """GRPO within the leaf's first-turn subtree plus GRPO within the prompt (`advantages.tree_grpo`)."""
-
-    name = "tree_grpo"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, local: adv.tree_grpo(r, local, groups))
-
-
-@dataclass(frozen=True)
-class TreeSegment:
-    """Per node from backed-up values: [V̂(s) - V̂(parent)] + [V̂(s) - V̂(root)] (`advantages.tree_segment`);
-    `scale_by_leaves` divides by sqrt(leaves below), as TreeRL does."""
-
-    scale_by_leaves: bool = False
-    name = "tree_segment"
-
-    def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        if not trees:
-            return []
-        parents, tree_of, offsets = _forest(trees)
-        backups = [backup(t) for t in trees]
-        values = torch.tensor(np.concatenate([b.value for b in backups]))
-        roots = torch.tensor(offsets[tree_of])
-        leaves = torch.tensor(np.concatenate([b.leaves for b in backups]))
-        flat = adv.tree_segment(values, torch.tensor(parents), roots, leaves, self.scale_by_leaves)
-        return _per_tree(trees, offsets, flat)
-
-
-# Every estimator by name: for benchmarks' command-line flags and tests that try them all. The trainer
-# selects one by `_target_` (conf/advantage/*.yaml), not by this table.
-ESTIMATORS: dict[str, Callable[[], Estimator]] = {
-    e.name: e for e in (GRPO, DrGRPO, RLOO, TreeGRPO, TreeSegment)
-}
-
-
-def node_advantages(trees: Sequence[RolloutTree], estimator: Estimator) -> list[np.ndarray]:
-    """Advantage of every node of every tree (one array per tree, root = 0)."""
-    return estimator(trees)
-
-
-def _depth_one_ancestor(parents: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-    """The first-turn node above each node: which bare rollout (or root continuation) it descends from."""
-    out = nodes.copy()
-    while True:
-        up = parents[out]
-        climbing = (up >= 0) & (parents[np.maximum(up, 0)] >= 0)
-        if not climbing.any():
-            return out
-        out = np.where(climbing, up, out)
 
 
 def leaf_sequences(trees: Sequence[RolloutTree], node_adv: Sequence[np.ndarray]) -> list[LeafSequence]:
