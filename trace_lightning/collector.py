@@ -99,6 +99,22 @@ class Learner(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """An iteration's pool, scored: what sampling and the updates after it read."""
+
+    pool_ids: list[int]
+    pool: list[RolloutTree]  # one empty tree per pool prompt
+    used_prior: bool  # the cold-start prior, not the head, scored the roots
+    score: IterationScorer
+    raw: np.ndarray  # [P] the head's (or the prior's) root estimates
+    predicted: np.ndarray  # [P] after calibration
+    estimates: np.ndarray  # [P] what Stage 1 allocates on (the selection's, or the oracle's)
+    reserved: np.ndarray  # [P] the unbiased slice's rollouts
+    calibration: PlattCalibration | None  # the map `predicted` went through (None: none)
+    scored_at: float  # perf_counter() when the pool's scoring began
+
+
 class RolloutCollector:
     def __init__(
         self,
@@ -177,67 +193,32 @@ class RolloutCollector:
 
     def collect(self, module: Learner, processes: Processes = Processes()) -> list[RolloutBatch]:
         """Sample one iteration of trees with the module's current policy and turn them into batches;
-        `self.report` describes it. With several processes see `distributed.py`."""
+        `self.report` describes it. With several processes see `distributed.py`.
+
+        The phases, in order: draw and score the pool (`_plan`), build the trees under the budget
+        (`_sample`), learn from the outcomes (`_observe`: the selection's record, calibration, the
+        predictor's refit, the cold-start prior), and the training batches with their report."""
         began = time.perf_counter()
         self.start(module)
         runner = self.runner
         assert runner is not None
         runner.take_counters(), runner.engine.take_stats()  # what ran since the last iteration is not its
         runner.on_episode_end = self.on_episode_end
-        pool_ids = self.selection.draw_pool(self.train_ids, self.pool_size, self.iteration, self.rng)
-        pool = [runner.new_tree(t) for t in pool_ids]
-        used_prior = self.prior.active(self.iteration)
-        score = IterationScorer(module.scorer, self.prior, used_prior)
-        sync_seconds = self._sync_engine(runner.engine, module)
-        _log_info(
-            f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
-        )
-        start = time.perf_counter()
-        raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
-        calibration = self.predictor_fit.calibration if self.predictor_fit is not None else None
-        predicted = calibration(raw) if calibration is not None and not used_prior else raw  # [P]
-        estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
-        if self.root_oracle is not None:
-            estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
-        reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
-        torch.set_rng_state(self._sampling_rng)
-        local = build_trees(
-            pool,
-            self.allocator,
-            processes.budget(self.budget),
-            score,
-            runner,
-            self.rng,
-            processes.shard(estimates, self.rng),
-            estimates,
-            reserved,
-        )
-        self._sampling_rng = torch.get_rng_state()
-        for tree, v in zip(pool, predicted, strict=True):  # gauges judge the predictor's output, as made
-            tree.root.predicted = float(v)
-        runner.engine.sleep()  # frees accelerator memory for training (a no-op where there is none)
-        sample_seconds = time.perf_counter() - start
+        plan, sync_seconds = self._plan(module, runner, processes)
+        local, sample_seconds = self._sample(plan, runner, processes)
         result, counters = processes.gather_iteration(local, runner.take_counters(), self.budget)
         _log_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
-        slice_ids = {t for t, r in zip(pool_ids, reserved, strict=True) if r}
-        quality = self.selection.observe(self.iteration, result.trees, predicted, slice_ids)
-        if calibration is not None and not used_prior:
-            self._calibrate(calibration, dict(zip(pool_ids, raw, strict=True)), result.trees)
-        refit_loss = self._refit(module.scorer, pool, result.trees, score.features, processes)
-        self.prior.step()
-        for tree in result.trees:
-            wins = bare_outcomes(tree)
-            self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
-        batches, gaps, per_step = self._batches(local.trees, module, pool, processes)
+        quality, refit_loss = self._observe(module, plan, result.trees, processes)
+        batches, gaps, per_step = self._batches(local.trees, module, plan.pool, processes)
         mismatch_mean, mismatch_max = _mean_max(np.concatenate(processes.all_gather(gaps)))
         self.report = IterationReport(
             iteration=self.iteration,
-            result=Iteration(result.trees, result.ledger, predicted, result.root_counts),
+            result=Iteration(result.trees, result.ledger, plan.predicted, result.root_counts),
             counters=counters,
-            used_prior=used_prior,
+            used_prior=plan.used_prior,
             policy_fingerprint=self._engine_version,
             sync_seconds=sync_seconds,
             sample_seconds=sample_seconds,
@@ -248,14 +229,77 @@ class RolloutCollector:
             refit_loss=refit_loss,
             engine_stats=runner.engine.take_stats(),
             local_trees=local.trees,
-            pool_ids=pool_ids,
-            root_estimates=estimates,
+            pool_ids=plan.pool_ids,
+            root_estimates=plan.estimates,
             collect_seconds=time.perf_counter() - began,
             optimizer_steps=len(batches) // per_step,
             micro_batches_per_step=per_step,
         )
         self.iteration += 1
         return batches
+
+    def _plan(self, module: Learner, runner: ReActRunner, processes: Processes) -> tuple[_Plan, float]:
+        """Draw the pool, sync the engine to the policy, and score the pool's roots; (the plan, the
+        sync's seconds)."""
+        pool_ids = self.selection.draw_pool(self.train_ids, self.pool_size, self.iteration, self.rng)
+        pool = [runner.new_tree(t) for t in pool_ids]
+        used_prior = self.prior.active(self.iteration)
+        score = IterationScorer(module.scorer, self.prior, used_prior)
+        sync_seconds = self._sync_engine(runner.engine, module)
+        _log_info(
+            f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
+        )
+        began = time.perf_counter()
+        raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
+        calibration = self.predictor_fit.calibration if self.predictor_fit is not None else None
+        if used_prior:  # the prior's estimates, not the head's: nothing to calibrate them with
+            calibration = None
+        predicted = calibration(raw) if calibration is not None else raw  # [P]
+        estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
+        if self.root_oracle is not None:
+            estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
+        reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
+        plan = _Plan(
+            pool_ids, pool, used_prior, score, raw, predicted, estimates, reserved, calibration, began
+        )
+        return plan, sync_seconds
+
+    def _sample(self, plan: _Plan, runner: ReActRunner, processes: Processes) -> tuple[Iteration, float]:
+        """This process's trees under the budget (Stage 1 and Stage 2, `iteration.build_trees`), sampled
+        on the collector's own RNG stream; (its iteration, seconds since the pool was scored)."""
+        torch.set_rng_state(self._sampling_rng)
+        local = build_trees(
+            plan.pool,
+            self.allocator,
+            processes.budget(self.budget),
+            plan.score,
+            runner,
+            self.rng,
+            processes.shard(plan.estimates, self.rng),
+            plan.estimates,
+            plan.reserved,
+        )
+        self._sampling_rng = torch.get_rng_state()
+        for tree, v in zip(plan.pool, plan.predicted, strict=True):  # gauges judge the predictor's output
+            tree.root.predicted = float(v)
+        runner.engine.sleep()  # frees accelerator memory for training (a no-op where there is none)
+        return local, time.perf_counter() - plan.scored_at
+
+    def _observe(
+        self, module: Learner, plan: _Plan, trees: list[RolloutTree], processes: Processes
+    ) -> tuple[RootQuality | None, float]:
+        """Learn from the iteration's outcomes: the selection's record (and the predictor's quality on
+        the unbiased slice), the calibration, the predictor's refit and the cold-start prior."""
+        slice_ids = {t for t, r in zip(plan.pool_ids, plan.reserved, strict=True) if r}
+        quality = self.selection.observe(self.iteration, trees, plan.predicted, slice_ids)
+        if plan.calibration is not None:
+            self._calibrate(plan.calibration, dict(zip(plan.pool_ids, plan.raw, strict=True)), trees)
+        refit_loss = self._refit(module.scorer, plan.pool, trees, plan.score.features, processes)
+        self.prior.step()
+        for tree in trees:
+            wins = bare_outcomes(tree)
+            self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
+        return quality, refit_loss
 
     def evaluate(
         self, module: Learner, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
