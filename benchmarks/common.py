@@ -263,7 +263,13 @@ def bench_data(
     optimizer step per micro-batch as `train_iteration` runs them, unless given)."""
     settings = {"micro_batch_tokens": None, "steps_per_iteration": None, **settings}
     return RolloutDataModule(
-        env, allocator, engine, sampling, Budget(leaves, max_tokens), DataSettings(**settings), estimator
+        env,
+        allocator,
+        engine,
+        sampling=sampling,
+        budget=Budget(leaves, max_tokens),
+        settings=DataSettings(**settings),
+        estimator=estimator,
     )
 
 

@@ -94,9 +94,9 @@ def make_data(
         env,
         allocator,
         engine or functools.partial(HFEngine, max_batch_size=16),
-        sampling or sampling_of(args),
-        alloc.Budget(leaves),
-        DataSettings(micro_batch_tokens=args.micro_batch_tokens, steps_per_iteration=None, **fields),
+        sampling=sampling or sampling_of(args),
+        budget=alloc.Budget(leaves),
+        settings=DataSettings(micro_batch_tokens=args.micro_batch_tokens, steps_per_iteration=None, **fields),
         cold_start=alloc.BetaPrior(warmup=1),
         seed=args.seed,
     )

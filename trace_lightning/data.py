@@ -63,6 +63,7 @@ class RolloutDataModule(L.LightningDataModule):
         env: Environment,
         allocator: TreeAllocator,
         engine: EngineFactory,
+        *,
         sampling: SamplingParams = SamplingParams(),
         budget: Budget = Budget(),
         settings: DataSettings = DataSettings(),

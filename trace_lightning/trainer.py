@@ -114,14 +114,14 @@ def build_parts(cfg: DictConfig) -> Parts:
         env,
         allocator,
         _make(cfg.engine),
-        sampling,
-        _make(cfg.budget),
-        _make(cfg.data),
-        _make(cfg.advantage),
-        _make(cfg.cold_start),
-        _make(cfg.selection),
-        predictor.refit(cfg.seed),
-        cfg.seed,
+        sampling=sampling,
+        budget=_make(cfg.budget),
+        settings=_make(cfg.data),
+        estimator=_make(cfg.advantage),
+        cold_start=_make(cfg.cold_start),
+        selection=_make(cfg.selection),
+        predictor_fit=predictor.refit(cfg.seed),
+        seed=cfg.seed,
     )
     if cfg.model.get("warm_start") is not None:
         check_held_out(str(cfg.model.warm_start), data.collector.held_out)
