@@ -1,4 +1,5 @@
-"""The wheel holds every package of the source tree (pyproject lists them by hand)."""
+"""The wheel holds every package of the source tree and every config group folder (pyproject lists them by
+hand: a folder it does not list is left out of the wheel, with a setuptools warning at install)."""
 
 import tomllib
 from pathlib import Path
@@ -13,4 +14,6 @@ def test_every_package_folder_is_listed_in_pyproject():
         for init in (ROOT / "trace_lightning").rglob("__init__.py")
         if "__pycache__" not in init.parts
     }
+    groups = {f"trace_lightning.conf.{d.name}" for d in (ROOT / "conf").iterdir() if d.is_dir()}
+    found |= {"trace_lightning.conf"} | {g for g in groups if not g.endswith("__pycache__")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
