@@ -5,6 +5,10 @@ file."""
 import io
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -236,3 +240,43 @@ def test_a_library_logger_goes_to_the_run_log_file(tmp_path):
         log_file.close()
     assert console.getvalue() == ""  # neither its own handler nor the root's console saw it
     assert "libtcmalloc is not found" in (tmp_path / "trainer.log").read_text()
+
+
+def test_the_cli_console_holds_only_bars_the_summary_and_our_lines(tmp_path):
+    """`python -m trace_lightning.trainer` as a user runs it: stderr carries only the iteration and
+    evaluation bars, stdout only the summary and the run's whereabouts; the library lines a user cannot
+    act on (MLflow's table creation, Lightning's experiment creation and parameter table, transformers'
+    generation flags) are in the run's log file instead."""
+    env = {
+        **os.environ,
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.pop("MLFLOW_CONFIGURE_LOGGING", None)
+    command = [
+        "-m",
+        "trace_lightning.trainer",
+        "debug=fast",
+        f"output_root={tmp_path}",
+        f"run_dir={tmp_path}/run",
+    ]
+    proc = subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    segments = [s.strip() for s in re.split(r"[\r\n]|\x1b\[A", proc.stderr) if s.strip()]
+    stray = [s for s in segments if not s.startswith(("iteration ", "evaluation after "))]
+    assert segments and not stray, stray[:5]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("TRACE summary:") and lines[-1].lstrip().startswith("compare:")
+    library = r"WARNING|INFO|Warning|\[transformers\]|mlflow\.(store|tracking|utils)"
+    noise = [line for line in lines if re.search(library, line)]
+    assert not noise, noise
+    log = (tmp_path / "run" / "trainer.log").read_text()
+    for moved in ("Creating initial MLflow database tables", "Experiment with name", "Trainable params"):
+        assert moved in log, moved

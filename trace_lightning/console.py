@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import re
 import time
 import warnings
 from collections.abc import Sequence
@@ -58,6 +60,19 @@ def quiet_known_warnings(world_size: int) -> None:
     )
 
 
+class Demote(logging.Filter):
+    """Records whose message matches `pattern` pass as INFO: into the run's log, off the console."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO and self.pattern.search(record.getMessage()):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def quiet_console() -> None:
     """The console rules the trainer, the warm start and the evaluation share, under Hydra: INFO lines go
     to the run's log file (`<run_dir>/<job>.log`), the console shows warnings and our own bars.
@@ -67,15 +82,22 @@ def quiet_console() -> None:
       when the root logger has none yet: Hydra configures it later), so they bypass Hydra's console
       level. Dropping them lets the lines propagate to Hydra's handlers. Outside Hydra (tests,
       notebooks: no root handler) nothing changes.
+    - MLflow's own INFO lines ("Creating initial MLflow database tables"): MLflow configures its logger
+      at import unless `MLFLOW_CONFIGURE_LOGGING=false`; with it they reach the log file. Lightning's
+      "Experiment with name ... not found. Creating it." (a WARNING on every first run) goes there too.
     - transformers' "Loading weights" and "Writing model shards" bars, and its deprecation warning on
       `is_gradient_checkpointing` (raised inside Lightning's model code): nothing a user can act on.
     """
     if logging.getLogger().handlers:
-        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")  # before mlflow is imported
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow"):
             logger = logging.getLogger(name)
             for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
                 logger.removeHandler(handler)
             logger.propagate = True
+        logging.getLogger("lightning.pytorch.loggers.mlflow").addFilter(
+            Demote(r"Experiment with name .* not found\. Creating it\.")
+        )
     hf_logging.disable_progress_bar()
     warnings.filterwarnings(
         "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning

@@ -145,7 +145,7 @@ class HFEngine:
             do_sample=not greedy,
             temperature=1.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p,
-            top_k=0,
+            top_k=None if greedy else 0,  # greedy decoding reads no top_k (set, transformers warns)
             typical_p=1.0,
             epsilon_cutoff=0.0,
             eta_cutoff=0.0,
