@@ -236,7 +236,11 @@ def run(cfg: DictConfig) -> Path:
     }
     out = module.save(Path(cfg.out_dir), record)
     if trainer.is_global_zero:
-        print(f"\nwarm start: {len(examples)} demonstrations ({missing} training tasks had none), {record}")
+        print(
+            f"\nwarm start: {len(examples)} demonstrations ({missing} training tasks had none) on "
+            f"{env.name}, {record['epochs']} epochs in {record['seconds']} s, final loss "
+            f"{record['final_loss']:.3f}; {len(held)} tasks held out (all in {out / MARKER})"
+        )
         print(f"  train on it: python -m trace_lightning.trainer model.warm_start={out.resolve()}")
     return out
 
