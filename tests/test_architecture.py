@@ -84,6 +84,10 @@ def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     inits = (ROOT / "trace_lightning").rglob("__init__.py")
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in inits}
+    # conf/ ships as trace_lightning.conf: a group folder it does not list is left out of the wheel
+    found |= {"trace_lightning.conf"} | {
+        f"trace_lightning.conf.{d.name}" for d in (ROOT / "conf").iterdir() if d.is_dir()
+    }
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
 
 
