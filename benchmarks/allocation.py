@@ -41,7 +41,7 @@ def allocators(expansion: int) -> list[alloc.TreeAllocator]:
         alloc.trace_root_only(expansion=expansion),
         alloc.trace_prefix_only(group_size=2, expansion=expansion),
         alloc.trace(expansion=expansion),
-        # Stage 1 scored by V_root over each prompt's m (1 + N) leaves (issue 11's breadth question)
+        # Stage 1 scored by V_root over each prompt's m (1 + N) leaves
         alloc.TreeAllocator("trace_count_cont", counting.roots, counting.prefixes, expansion),
     ]
 

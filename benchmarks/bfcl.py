@@ -1,4 +1,4 @@
-"""BFCL v4 multi-turn with a real model, through the product's own code paths (issue 24).
+"""BFCL v4 multi-turn with a real model, through the product's own code paths.
 
     python benchmarks/bfcl.py --model smollm2          # hours on 2 shared cores; into results/bfcl.json
     python benchmarks/bfcl.py --model gemma3_270m      # needs `make data-gemma`

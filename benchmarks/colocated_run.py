@@ -1,4 +1,4 @@
-"""A multi-process training run with colocated vLLM engines, recorded (issue 21): what benchmarks/gpu_check.sh
+"""A multi-process training run with colocated vLLM engines, recorded: what benchmarks/gpu_check.sh
 runs on a machine with two or more GPUs, and what tests/test_colocated.py checks on 2 CPU processes.
 
     python benchmarks/colocated_run.py --out benchmarks/results/gpu_fsdp2_vllm.json \\

@@ -50,7 +50,7 @@ from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.module import TraceModule
 
-TARGET_SHARE = 0.05  # allocation + predictor, as a share of the iteration (issue 7)
+TARGET_SHARE = 0.05  # allocation + predictor, as a share of the iteration
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def run_point(
                     "total": total,
                     "leaves": rep.result.ledger.leaves_used,
                     "generated_tokens": rep.result.ledger.tokens_used,
-                    # the other budget units (issue 22); its seconds by phase are the PhaseClock's
+                    # the other budget units; its seconds by phase are the PhaseClock's
                     "prefill_tokens": budget_spend(rep)["budget/prefill_tokens"],
                     "tool_calls": budget_spend(rep)["budget/tool_calls"],
                     "turns": rep.counters.turns,

@@ -1,4 +1,4 @@
-"""One iteration of the default job with each engine, side by side in one process (issue 21, item 6).
+"""One iteration of the default job with each engine, side by side in one process.
 
     .venv-vllm/bin/python benchmarks/engine_iteration.py --warm-start outputs/warm_start/<run>/model
     .venv-vllm/bin/python benchmarks/engine_iteration.py --quick    # tiny random model on chain, seconds
@@ -44,7 +44,7 @@ from trace_lightning.engines.vllm import _quiet_partial_reload
 from trace_lightning.runner import ReActRunner
 
 ENGINES = ("hf", "vllm")
-TARGET = 0.8  # a vLLM iteration at most this share of a transformers one (issue 21)
+TARGET = 0.8  # a vLLM iteration at most this share of a transformers one
 EXTRA = ("refit",)  # timed here besides common.PHASES
 
 
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def sync_split(engine: Any, reps: int) -> dict[str, list[float]]:
-    """Seconds to push the merged policy into vLLM: every weight (what each sync did before issue 21)
+    """Seconds to push the merged policy into vLLM: every weight (what each sync once did)
     against the modules that hold LoRA layers only (what a sync after the first does now), alternating."""
     seconds: dict[str, list[float]] = {"all_weights": [], "adapted_only": []}
     for rep in range(reps):

@@ -12,10 +12,10 @@
 # 4. FSDP2 (trainer=fsdp2, the config CI runs on 2 CPU processes) on every GPU with vLLM sleeping
 #    during training: the tiny debug job (full weights), then one iteration of SmolLM2 + LoRA. Each
 #    prints its run summary (sampling, weight-sync and training seconds) and the engine figures.
-# 5. With two or more GPUs: 2 processes, FSDP2 and one colocated vLLM engine per process (issue 21),
+# 5. With two or more GPUs: 2 processes, FSDP2 and one colocated vLLM engine per process,
 #    recorded per process and iteration by benchmarks/colocated_run.py into
 #    benchmarks/results/gpu_colocated_*.json: the tiny debug job, where one process gets no prompt at
-#    all (the configuration that hung before issue 21), then 2 iterations of SmolLM2 + LoRA, then the
+#    all (the configuration that once hung), then 2 iterations of SmolLM2 + LoRA, then the
 #    same with one engine sliced over both GPUs (engine.tensor_parallel_size=2). Each run has a
 #    torch.distributed timeout and a wall-clock `timeout`, so a hang fails instead of waiting; the exit
 #    codes go into benchmarks/results/gpu_colocated_status.txt.

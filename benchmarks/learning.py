@@ -1,4 +1,4 @@
-"""Learning benchmark (issue 11): does TRACE learn more per sampled trajectory than GRPO?
+"""Learning benchmark: does TRACE learn more per sampled trajectory than GRPO?
 
     python benchmarks/learning.py             # the full run reported in BENCHMARKS.md
     python benchmarks/learning.py --quick     # the test suite's smoke run (tests/test_bench_learning.py)
@@ -25,7 +25,7 @@ Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prom
 `--control-group`), pcl, random_expand, trace; Table 1: trace_root_only, trace_prefix_only; the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
-Targets (issue 11): trace's effective ratio >= 1.8x GRPO's and mixed prompts per iteration >= 1.3x;
+Targets: trace's effective ratio >= 1.8x GRPO's and mixed prompts per iteration >= 1.3x;
 trace reaches GRPO's final held-out success with <= 0.6x GRPO's leaves in >= 4 of 5 seeds; trace's
 final held-out success at equal leaves >= GRPO's (paired over seeds).
 """
@@ -89,7 +89,7 @@ class Method:
 
 
 def policy_state_head(args: argparse.Namespace) -> PredictorSettings:
-    """The predictor before issue 20: an MLP on the policy's own states (last + mean), refitted on
+    """The earlier predictor: an MLP on the policy's own states (last + mean), refitted on
     undecayed labels, no text, no calibration; sized as this benchmark always sized it."""
     return PredictorSettings.policy_state(
         width=64,
@@ -118,14 +118,14 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "pcl": Method(alloc.pcl(4), leaves),
         "random_expand": Method(alloc.random_expand(2, n), leaves),
         "trace": Method(shipped, leaves, selection),
-        # the predictor before issue 20, on the same allocator: where the gap to true_v came from
+        # the earlier predictor, on the same allocator: where the gap to true_v came from
         "trace_head": Method(shipped, leaves, selection, old),
         # the unbiased slice and the skill gate, with a predictor that has skill and one that has little
         "trace_gate": Method(shipped, leaves, selection | gate),
         "trace_head_gate": Method(shipped, leaves, selection | gate, old),
         # NOT a method: Stage 1 steered by `--true-v-samples` fresh episodes of every candidate, outside
         # the budget and training nothing (collector.root_oracle). The ceiling every predictor is read
-        # against (issue 20).
+        # against.
         "true_v": Method(shipped, leaves, selection, true_v=True),
         "trace_root_only": Method(alloc.trace_root_only(n, max_per_prompt=cap), leaves),
         "trace_prefix_only": Method(alloc.trace_prefix_only(2, n), leaves),
@@ -250,7 +250,7 @@ def iteration_row(data: RolloutDataModule, train_seconds: float) -> dict[str, fl
         "slice_skill": quality.slice_skill if quality is not None else float("nan"),
         "gate": float(quality.gate_open) if quality is not None else float("nan"),
         "distinct_tasks": len({t.task_id for t in res.trees}),
-        **budget_row(data.report, train_seconds),  # every budget unit (issue 22), tokens and leaves too
+        **budget_row(data.report, train_seconds),  # every budget unit, tokens and leaves too
     }
 
 
@@ -517,7 +517,7 @@ def per_seed_metrics(seed_result: dict[str, Any]) -> dict[str, dict[str, float]]
 
 
 def probe_summary(probes: list[dict[str, float]]) -> dict[str, float]:
-    """The probe's gauges averaged over the run's probes (issue 20): the head's Spearman with the probed
+    """The probe's gauges averaged over the run's probes: the head's Spearman with the probed
     success rates (and on v(1 - v)), its Brier score next to the base rate's, and the expected mixed
     groups of the run's allocations relative to the probe's own (true v) and to random pairs."""
     if not probes:
@@ -642,7 +642,7 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]
 
 
 def print_probe_table(summary: dict[str, Any]) -> None:
-    """The predictor online (issue 20): its gauges against the Monte Carlo probe, averaged over probes."""
+    """The predictor online: its gauges against the Monte Carlo probe, averaged over probes."""
     print("\nThe predictor online: raw root predictions against a Monte Carlo probe of the pool (mean ± std)")
     cols = [
         ("Spearman", "probe_spearman", 3),
@@ -660,7 +660,7 @@ def print_probe_table(summary: dict[str, Any]) -> None:
 
 
 def verdicts(summary: dict[str, Any]) -> list[str]:
-    """Issue 20's targets for `trace` (the shipped experiment), each PASS or MISS with its figures."""
+    """The learning targets for `trace` (the shipped experiment), each PASS or MISS with its figures."""
     t, g = summary["trace"], summary["uniform"]
     seeds = len(t["gain_vs_grpo"]["per_seed"])
     paired = np.array(t["gain_vs_grpo"]["per_seed"])

@@ -139,7 +139,7 @@ class Recorder(L.Callback):
                 "sample_seconds": report.sample_seconds,
                 "iteration_seconds": now - self._last,
                 "task_ids": sorted({t.task_id for t in report.result.trees}),
-                # every budget unit (issue 22): prefill tokens, tool calls, seconds by phase
+                # every budget unit: prefill tokens, tool calls, seconds by phase
                 **budget_row(report, now - self._epoch_start),
             }
         )

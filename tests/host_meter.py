@@ -1,4 +1,4 @@
-"""What a call takes from the host, sampled from outside while it runs (issue 23's host-side measurements).
+"""What a call takes from the host, sampled from outside while it runs.
 
 `HostMeter` samples every 10 ms, from a thread of the test process:
 - host free memory (`MemAvailable`) and kernel slab (`Slab`) from /proc/meminfo, host-wide;

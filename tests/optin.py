@@ -1,4 +1,4 @@
-"""Opt-in resources: packages and programs that `make install` does not bring (issue 22, item 1).
+"""Opt-in resources: packages and programs that `make install` does not bring.
 
 A test that needs one carries its marker (`gemma`, `vllm`, `browser`); `conftest.py` then skips it with
 the reason below when the resource is absent, so `make test` passes on a machine that never installed

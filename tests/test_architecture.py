@@ -133,8 +133,8 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_the_package_has_no_import_circle():
-    """Issue 25 opened two (checkpoints <-> checkpoint_shards, trainer <-> warmstart) that function-level
-    imports hid; a new one, hidden or not, fails here naming its modules."""
+    """A package move once opened two (checkpoints <-> checkpoint_shards, trainer <-> warmstart) that
+    function-level imports hid; a new one, hidden or not, fails here naming its modules."""
     assert _circles(_package_graph()) == []
 
 

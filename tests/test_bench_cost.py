@@ -45,6 +45,6 @@ def test_cost_profile_quick_mode(tmp_path):
         assert r["seconds"]["predictor"] > 0 and r["seconds"]["allocation"] > 0
         assert all(n == 1 for n in r["sync_calls"])  # one weight sync per iteration, after training
         assert r["leaves_per_iteration"] == [r["leaves"]] * r["iterations"]
-        assert r["prefill_tokens"] > 0 and r["tool_calls"] == 0  # budget units (issue 22); chain has no tool
+        assert r["prefill_tokens"] > 0 and r["tool_calls"] == 0  # budget units; chain has no tool
         assert r["bare_rollouts"] * (1 + r["expansion"]) == r["leaves"]
         assert r["target_met"] == (r["alloc_plus_predictor_share"] < 0.05)

@@ -36,7 +36,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
     for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
         assert title in proc.stdout
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
-    assert len(verdicts) == 6  # issue 20: three on the head online, three on learning
+    assert len(verdicts) == 6  # three on the head online, three on learning
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
     config = result["config"]
@@ -53,7 +53,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
             assert len(run["iterations"]) == config["iterations"]
             for i, row in enumerate(run["iterations"]):  # the budget is spent exactly, every iteration
                 assert row["leaves"] == run["leaves_per_iteration"]
-                # every budget unit, per iteration and as a running sum (issue 22)
+                # every budget unit, per iteration and as a running sum
                 assert row["leaves_cum"] == (i + 1) * row["leaves"] and row["prefill_tokens"] > 0
                 assert row["seconds"] >= row["seconds_train"] > 0 and "tool_calls_cum" in row
                 assert 0.0 <= row["effective_ratio"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0

@@ -80,7 +80,7 @@ def test_real_learning_quick_mode(tmp_path):
             assert row["seconds"] >= row["seconds_sample"] + row["seconds_train"]
             assert row["prefill_tokens"] > 0
             assert 1.0 <= row["turns_mean"] <= 3.0 and row["loss"] is not None
-        totals = s["totals"]  # the budget in every unit (issue 22): the last running sums
+        totals = s["totals"]  # the budget in every unit: the last running sums
         assert totals["leaves"] == config["leaves"] * config["iterations"] and totals["tokens"] == s["tokens"]
         assert set(totals) == {"leaves", "tokens", "prefill_tokens", "tool_calls", "seconds"}
         # the held-out gain is the mean of the per-task differences, after minus before

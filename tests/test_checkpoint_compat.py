@@ -1,4 +1,4 @@
-"""The `trace_lightning/checkpoints/` package (issue 25): old import paths still work, checkpoints written
+"""The `trace_lightning/checkpoints/` package: old import paths still work, checkpoints written
 before the move resume after it, and the package's modules import each other without a circle."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _imports(path: Path) -> tuple[set[str], list[str]]:
 
 
 def test_the_package_has_floors_and_no_function_level_imports() -> None:
-    """Issue 25: the circle checkpoints.py <-> checkpoint_shards.py was hidden behind an import inside a
+    """The circle checkpoints.py <-> checkpoint_shards.py was hidden behind an import inside a
     function. Each module may import only modules on lower floors, at module level."""
     folder = Path(package.__file__).parent
     graph, nested = {}, []
@@ -118,7 +118,7 @@ def _resume(tmp_path: Path, kind: str, *extra: str) -> tuple[dict, dict, int, Ma
 
 @pytest.mark.parametrize("kind", list(ADAPTERS))
 def test_a_checkpoint_written_before_the_move_resumes_after_it(tmp_path: Path, kind: str) -> None:
-    """The fixtures predate issue 20's predictor and the settings issue 25 exposed, so the config check
+    """The fixtures predate the text-feature predictor and the settings exposed since, so the config check
     names those groups (a setting added since is a difference: today's default need not be what the old
     run did); past that override, the files from before the modules moved load and the run continues."""
     saved = torch.load(FIXTURES / kind / "iteration-0000.ckpt", weights_only=True)

@@ -1,4 +1,4 @@
-"""Checkpoints that hold what trains (issue 22, item 2): with LoRA a checkpoint holds the adapter, the
+"""Checkpoints that hold what trains: with LoRA a checkpoint holds the adapter, the
 head, the optimizer, scheduler and DataModule state, and names the base model by folder and digest; a
 resume refuses a changed base; full-weights runs keep full checkpoints; MLflow receives the trained
 weights once, as a loadable adapter, instead of every checkpoint."""

@@ -1,4 +1,4 @@
-"""Checkpoints loaded from the bytes that were checked (issue 23, item 3), single files and sharded folders.
+"""Checkpoints loaded from the bytes that were checked, single files and sharded folders.
 
 Each case is one the red team used on 6395ee8 (or the same class of attack, built here): a crafted zip
 whose pickle torch reads differently from Python's zipfile, a file swapped between the check and the

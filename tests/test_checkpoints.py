@@ -1,7 +1,7 @@
 """Checkpoint corruptions, each refused with a named error, and no code run from a planted file.
 
 One real checkpoint is trained once per module (debug=fast, one iteration); every case copies it and
-damages the copy in its own way. The table's size and results are the figures for issue 13:
+damages the copy in its own way. The table's size and results are the red-team pass's figures:
 `pytest tests/test_checkpoints.py -k corruption -v`.
 """
 
@@ -180,7 +180,7 @@ def test_corruption_is_refused_with_a_named_error(trained: Path, tmp_path: Path,
 
 
 def test_corruption_table_covers_the_issue_kinds() -> None:
-    """>= 6 kinds, and the 5 named in issue 13 are among them (plus model size and other runs below)."""
+    """>= 6 kinds, and the 5 the red-team pass named are among them (plus model size and other runs below)."""
     kinds = {f.__name__ for f in CORRUPTIONS}
     assert len(kinds) >= 6
     assert {"truncated", "bytes_flipped_mid_file", "planted_pickle_in_zip", "digest_missing"} <= kinds

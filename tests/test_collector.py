@@ -211,7 +211,7 @@ def test_held_out_count_is_checked_against_the_tasks():
         make_data(held_out=20)  # 4 tasks left for a pool of 8
 
 
-# --------------------------------------------------------------------------- the predictor's probe (issue 20)
+# --------------------------------------------------------------------------- the predictor's probe
 
 
 class Trees(L.Callback):

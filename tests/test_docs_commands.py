@@ -1,6 +1,6 @@
 """Every `python -m trace_lightning.{trainer,warmstart,evaluate}` command the README, the docs, the
-Dockerfile and the shipped configs print composes against today's config (issue 25: the Dockerfile
-still said `trainer.strategy=fsdp` after the group became `trainer=fsdp2`). Composing checks every
+Dockerfile and the shipped configs print composes against today's config (a Dockerfile once still said
+`trainer.strategy=fsdp` after the group became `trainer=fsdp2`). Composing checks every
 override's key and group option; nothing is built or run."""
 
 from __future__ import annotations

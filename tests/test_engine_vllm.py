@@ -191,7 +191,7 @@ def test_engine_throughput_benchmark_quick_mode(tmp_path):
 
 
 def test_engine_iteration_benchmark_quick_mode(tmp_path):
-    """benchmarks/engine_iteration.py (issue 21) on the tiny model with LoRA: both engines ran the same
+    """benchmarks/engine_iteration.py on the tiny model with LoRA: both engines ran the same
     iterations of the CLI's job, its phases add up, and its ratio is the one it prints."""
     out = tmp_path / "engine_iteration.json"
     root = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""`python -m trace_lightning.evaluate` (issue 22, item 3): a saved run's checkpoint or a warm start,
+"""`python -m trace_lightning.evaluate`: a saved run's checkpoint or a warm start,
 evaluated without training through the trainer's own pieces; held-out sets that overlap a warm start's
 training tasks are refused; runs name their base model and warm start."""
 
@@ -56,7 +56,7 @@ def test_runs_name_the_base_model_and_the_warm_start_folder(tmp_path):
         "base_model": "smollm2-135m-instruct",
         "warm_start": "smollm2-search_qa",
     }
-    old = fake_warm_start(tmp_path / "older", [], base_model=None)  # a marker written before issue 22
+    old = fake_warm_start(tmp_path / "older", [], base_model=None)  # an older marker, no base_model
     assert model_tags(old, old) == {"base_model": "unknown", "warm_start": "older"}
     assert model_tags(None, "/cache/smollm2-135m-instruct") == {
         "base_model": "smollm2-135m-instruct",

@@ -1,4 +1,4 @@
-"""Evaluation numbers (issue 22, item 3): pass@k and its standard error against values worked out by hand
+"""Evaluation numbers: pass@k and its standard error against values worked out by hand
 from Chen et al.'s formula and the definition of a standard error, never from the code under test;
 the `eval` settings' checks; hand-built trees scored."""
 

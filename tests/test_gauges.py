@@ -1,5 +1,5 @@
 """The predictor's gauges (predictor/gauges.py), each checked against its definition by hand or by
-enumeration (issue 20)."""
+enumeration."""
 
 import itertools
 from math import comb

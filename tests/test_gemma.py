@@ -1,4 +1,4 @@
-"""Gemma 3 270M (issue 12, item 5): the GGUF assembled from its chunk packages, and our prompt format.
+"""Gemma 3 270M: the GGUF assembled from its chunk packages, and our prompt format.
 
 The fast tests use fake chunk packages (real dist-info folders on a temporary sys.path, found through
 importlib.metadata exactly as the real ones are) and a tiny tokenizer with Gemma's special tokens.

@@ -1,4 +1,4 @@
-"""Reward and observation hygiene (issue 12, item 3): tool output cannot forge chat-role tokens,
+"""Reward and observation hygiene: tool output cannot forge chat-role tokens,
 untagged answers have the tagged answers' length cap, and the shipped search_qa reward cannot be
 won by listing guesses."""
 

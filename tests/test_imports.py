@@ -1,4 +1,4 @@
-"""Import floors (issue 25, item 3): trainer.py and warmstart.py are in no import circle, counting the
+"""Import floors: trainer.py and warmstart.py are in no import circle, counting the
 imports hidden inside functions, which Python resolves only when the function runs."""
 
 import ast

@@ -1,6 +1,6 @@
 """The python tool's jail contains hostile programs, and refuses to run without a jail.
 
-Each program in `HOSTILE` (issue 13's red-team classes, written anew) runs through `MathToolEnv.step`
+Each program in `HOSTILE` runs through `MathToolEnv.step`
 with a `<python>` action, as the runner calls it, in two configurations: the default (jail + audit
 hook) and the jail alone (`audit_hook=False`). Most programs first beat the audit hook through its
 frames (`ESCAPE`), so that with the hook on they, too, meet the jail itself. After every program:
@@ -150,7 +150,7 @@ HOSTILE = [
     ),
     Hostile(
         "read host files",
-        "host-wide /proc files",  # issue 23: the kernel command line, boot id, disk counters
+        "host-wide /proc files",  # the kernel command line, boot id, disk counters
         _READ_EACH.replace("print(open(path).read())", "print(path, repr(open(path).read()[:200]))").format(
             paths=repr(HOST_WIDE_PROC)
         ),

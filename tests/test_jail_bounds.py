@@ -1,4 +1,4 @@
-"""What one call of the python tool can take from the host: memory, disk, kernel memory (issue 23).
+"""What one call of the python tool can take from the host: memory, disk, kernel memory.
 
 Each program in `GREEDY` goes after a host resource the rlimits of round 1 did not bound, through
 `MathToolEnv.step` as the runner calls it, with the audit hook off (the jail and the cgroup alone, the harder

@@ -1,4 +1,4 @@
-"""The MLflow UI in a real browser (issue 12, item 7): a tiny `debug=fast` training, `mlflow ui` on
+"""The MLflow UI in a real browser: a tiny `debug=fast` training, `mlflow ui` on
 127.0.0.1, and headless Chromium on the link the trainer prints. The page must open in the Model
 training view and show a logged metric, a parameter and the tree PNGs.
 

@@ -1,4 +1,4 @@
-"""Tests that need an opt-in resource say so (issue 22, item 1): `make test` must pass on a machine that
+"""Tests that need an opt-in resource say so: `make test` must pass on a machine that
 installed nothing opt-in, and a test that reaches for the Gemma chunks, vLLM or Chromium without its
 marker would fail there while a developer's machine stays green."""
 

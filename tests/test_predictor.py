@@ -1,4 +1,4 @@
-"""The success predictor's online refit (issue 11): input standardisation, replay, head-only steps."""
+"""The success predictor's online refit: input standardisation, replay, head-only steps."""
 
 import copy
 import functools
@@ -151,7 +151,7 @@ def test_mean_pooled_features_match_a_plain_forward(tiny_model_dir):
             assert torch.allclose(row, expected, atol=1e-5), (tree.task_id, n)
 
 
-# ------------------------------------------------------------------ text features and label age (issue 20)
+# ------------------------------------------------------------------ text features and label age
 
 
 def test_ngram_features_mark_each_hashed_unigram_and_bigram():

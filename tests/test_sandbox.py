@@ -131,7 +131,7 @@ def test_python_tool_runs_code_in_the_sandbox() -> None:
     )
 
 
-# -- issue 23: output through bounded pipes, any exit status, any text ---------------------------------
+# -- output through bounded pipes, any exit status, any text ---------------------------------
 
 
 @needs_jail

@@ -1,4 +1,4 @@
-"""The call's cgroup (issue 23): made below the trainer's, holding every process of the call, removed after.
+"""The call's cgroup: made below the trainer's, holding every process of the call, removed after.
 
 The first tests watch a real call from outside (cgroup files read here, not through the code under test);
 they need bubblewrap and a usable cgroup (root on a cgroup v1 host, or v2 delegation). The rest check how a

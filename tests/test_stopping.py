@@ -1,4 +1,4 @@
-"""A run that can be stopped (issue 21): SIGTERM to one of two processes stops both, with a checkpoint
+"""A run that can be stopped: SIGTERM to one of two processes stops both, with a checkpoint
 when they can reach a batch boundary, and within the deadline without one when a collective is stuck.
 
 The first test is the mechanism alone on a bare gloo process group (seconds, default suite); the others

@@ -1,4 +1,4 @@
-"""The supervised warm start (issue 12, item 1): demonstrations replay to the gold reward through the
+"""The supervised warm start: demonstrations replay to the gold reward through the
 real environments, held-out tasks are never used, examples are laid out as the runner lays out an
 episode, and the trainer loads a saved warm start."""
 
