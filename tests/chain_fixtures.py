@@ -65,6 +65,7 @@ def make_data(
     sampling=SAMPLING,
     held_out=0,
     settings=DATA,
+    unit="leaves",
     **kw,
 ):
     return RolloutDataModule(
@@ -72,7 +73,7 @@ def make_data(
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
         sampling=sampling,
-        budget=Budget(leaves, max_tokens),
+        budget=Budget(leaves, max_tokens, unit),
         settings=dataclasses.replace(settings, held_out=held_out),
         **kw,
     )

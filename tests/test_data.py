@@ -3,9 +3,11 @@ re-entry of branched prefixes, robustness to malformed actions, and resume state
 
 import dataclasses
 import functools
+import itertools
 
 import lightning as L
 import numpy as np
+import pytest
 import torch
 from chain_fixtures import DATA, fit, make_data, make_module
 
@@ -61,6 +63,73 @@ def test_real_rollout_trees_respect_leaf_and_token_budgets(tiny_model_dir):
         assert sum(len(t.leaves()) for t in res.trees) == 12
         assert res.ledger.tokens_used <= 150
         assert res.ledger.tokens_used == sum(len(n.action_ids) for t in res.trees for n in t.nodes)
+
+
+class TestTokenBudget:
+    """`budget.unit=tokens`: each iteration's leaves follow what the run's own leaves cost, and no
+    iteration generates more than `budget.max_tokens`."""
+
+    def test_the_leaves_follow_the_last_iterations_cost_per_leaf(self, tiny_model_dir):
+        torch.manual_seed(0)
+        module = make_module(tiny_model_dir)
+        data = make_data(alloc.trace(2, max_per_prompt=4), leaves=36, max_tokens=400, unit="tokens")
+        seen = []
+        for _ in range(3):
+            data.build_iteration(module)
+            ledger, counters = data.report.result.ledger, data.report.counters
+            assert ledger.tokens_used <= 400 and ledger.leaves_used == ledger.budget.leaves
+            bound = counters.stop_reasons.get("token_budget", 0) > 0 or counters.budget_bound_turns > 0
+            seen.append((ledger.leaves_used, ledger.tokens_used, bound))
+        assert seen[0][0] == 36  # nothing measured yet: budget.leaves
+        assert len({leaves for leaves, _, _ in seen}) > 1  # the leaves moved with the cost
+        for (leaves, tokens, cut), (following, _, _) in itertools.pairwise(seen):
+            # from the rule's words: after a bound iteration, 3 fewer; else the most multiples of 3 that
+            # fit 90% of the budget at the last cost per leaf
+            expected = leaves - 3 if cut else min(36, int(0.9 * 400 * leaves / tokens) // 3 * 3)
+            assert following == max(3, expected)
+
+    def test_at_an_equal_token_budget_the_tree_method_gets_more_leaves_and_the_same_steps(
+        self, tiny_model_dir
+    ):
+        """Continuations start mid-episode, so a trace leaf costs fewer generated tokens than a GRPO
+        one: at the same tokens trace spends them on more leaves, with the same optimizer steps."""
+        runs = {}
+        for allocator, most in ((alloc.trace(2, max_per_prompt=4), 48), (alloc.uniform(4), 32)):
+            torch.manual_seed(0)
+            module = make_module(tiny_model_dir)
+            data = make_data(allocator, leaves=most, max_tokens=500, unit="tokens")
+            for _ in range(3):
+                data.build_iteration(module)
+                assert data.report.result.ledger.tokens_used <= 500
+            runs[allocator.name] = (data.report.result.ledger.leaves_used, data.report.optimizer_steps)
+        (trace_leaves, trace_steps), (uniform_leaves, uniform_steps) = runs["trace"], runs["uniform"]
+        assert trace_leaves > uniform_leaves and trace_steps == uniform_steps == DATA.steps_per_iteration
+
+    def test_a_budget_too_small_for_budget_leaves_is_spent_on_fewer_of_them(self, tiny_model_dir):
+        torch.manual_seed(0)
+        module = make_module(tiny_model_dir)
+        data = make_data(alloc.uniform(4), leaves=24, max_tokens=60, unit="tokens")
+        data.build_iteration(module)
+        data.build_iteration(module)
+        ledger = data.report.result.ledger
+        assert ledger.tokens_used <= 60 and ledger.leaves_used < 24 and ledger.leaves_used % 4 == 0
+
+    def test_unit_tokens_needs_max_tokens(self):
+        with pytest.raises(alloc.BudgetError, match="budget.max_tokens"):
+            alloc.Budget(12, None, "tokens")
+        with pytest.raises(alloc.BudgetError, match="budget.unit"):
+            alloc.Budget(12, 100, "episodes")
+
+    def test_the_cost_estimate_resumes_with_the_datamodule(self, tiny_model_dir):
+        torch.manual_seed(0)
+        module = make_module(tiny_model_dir)
+        data = make_data(alloc.trace(2, max_per_prompt=4), leaves=36, max_tokens=400, unit="tokens")
+        data.build_iteration(module)
+        state = data.state_dict()
+        fresh = make_data(alloc.trace(2, max_per_prompt=4), leaves=36, max_tokens=400, unit="tokens")
+        fresh.load_state_dict(state)
+        assert fresh.collector._iteration_budget() == data.collector._iteration_budget()
+        assert data.collector._spent is not None and fresh.collector._spent == data.collector._spent
 
 
 class SpyEngine(HFEngine):

@@ -34,16 +34,58 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Budget:
-    """What one iteration may spend: leaves (trajectories) and, optionally, generated tokens."""
+    """What one iteration may spend: leaves (trajectories) and, optionally, generated tokens.
 
-    leaves: int = 12  # trajectories per iteration, the same for every allocator
-    max_tokens: int | None = None  # optional cap on generated tokens per iteration
+    `unit="leaves"` (the default): every iteration spends exactly `leaves`, and `max_tokens`, when set,
+    caps its generated tokens. `unit="tokens"`: the budget is `max_tokens` generated tokens, and the
+    leaves are derived each iteration from what the run's own leaves cost (`leaves_for_tokens`), at
+    most `leaves`; a method whose leaves are cheaper (continuations start mid-episode) gets more of
+    them. Either way the runner never generates past `max_tokens`: it splits what is left between the
+    live episodes every turn and ends the episodes that cannot have one more token (`token_budget`).
+    """
+
+    leaves: int = 12  # trajectories per iteration (unit=tokens: the most an iteration may spend)
+    max_tokens: int | None = None  # cap on generated tokens per iteration (unit=tokens: the budget)
+    unit: str = "leaves"  # what the budget counts: leaves, or generated tokens (max_tokens)
 
     def __post_init__(self) -> None:
         if self.leaves < 1:
             raise BudgetError(f"budget.leaves={self.leaves}: an iteration needs at least one rollout")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise BudgetError(f"budget.max_tokens={self.max_tokens}: use null for no token cap, or >= 1")
+        if self.unit not in ("leaves", "tokens"):
+            raise BudgetError(f"budget.unit={self.unit!r} must be 'leaves' or 'tokens'")
+        if self.unit == "tokens" and self.max_tokens is None:
+            raise BudgetError(
+                "budget.unit=tokens needs budget.max_tokens: the generated tokens each iteration may spend"
+            )
+
+
+TOKEN_HEADROOM = 0.9  # budget.unit=tokens plans its leaves to spend this share of max_tokens
+
+
+def leaves_for_tokens(budget: Budget, previous: tuple[int, int, bool] | None, step: int, least: int) -> int:
+    """The leaves of the next iteration under `budget.unit="tokens"`.
+
+    `previous` is the last iteration's (leaves, generated tokens, whether the token budget bound it:
+    cut an episode, or held a turn below `sampling.max_new_tokens`), None before the first. Without a
+    measurement: `budget.leaves`. After a bound iteration: one `step` fewer than last time, since its
+    token count is what the budget allowed, not what the leaves would have cost.
+    Otherwise the most leaves whose cost at the last iteration's tokens per leaf fits `TOKEN_HEADROOM`
+    of `max_tokens`: the leaves of one iteration are sampled together, so when the budget runs out it
+    cuts every episode still running, and the headroom keeps that rare.
+    Always a multiple of `step` (what the allocator can split), within [`least`, `budget.leaves`].
+
+    Example: max_tokens 1200, last iteration 24 leaves for 800 tokens (33.3 each), step 3 ->
+    1080 / 33.3 = 32.4 -> 30."""
+    assert budget.max_tokens is not None
+    if previous is None:
+        fit = budget.leaves
+    else:
+        leaves, tokens, cut = previous
+        fit = leaves - step if cut else int(TOKEN_HEADROOM * budget.max_tokens * leaves // max(tokens, 1))
+    fit = fit // step * step
+    return max(least, min(budget.leaves // step * step, fit))
 
 
 class BudgetExceeded(RuntimeError):
@@ -329,6 +371,10 @@ class TreeAllocator:
                 f"allocator {self.name}: expansion={self.expansion} needs a prefix rule exactly when "
                 "expansion > 0 (the named allocators pass one only then)"
             )
+
+    def leaf_step(self) -> int:
+        """The leaves this allocator can split budgets by: (1 + N) times the root rule's group size."""
+        return (1 + self.expansion) * int(getattr(self.roots, "group_size", 1))
 
     def n_roots(self, budget: Budget) -> int:
         """M = L / (1 + N): bare rollouts, so that M (1 + N) leaves are spent in all."""

@@ -87,6 +87,7 @@ def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, 
         "rollout/env_timeouts": float(c.env_timeouts),
         "rollout/env_invalid": float(len(c.invalid_transitions)),
         "rollout/truncated_observations": float(c.truncated_observations),
+        "rollout/budget_bound_turns": float(c.budget_bound_turns),
         "rollout/used_prior": float(report.used_prior),
     }
     out |= {f"rollout/stop/{_key_safe(r)}": float(n) for r, n in sorted(c.stop_reasons.items())}

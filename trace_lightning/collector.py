@@ -25,7 +25,14 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from trace_lightning.allocation import BetaPrior, Budget, BudgetLedger, TreeAllocator
+from trace_lightning.allocation import (
+    BetaPrior,
+    Budget,
+    BudgetError,
+    BudgetLedger,
+    TreeAllocator,
+    leaves_for_tokens,
+)
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
@@ -135,6 +142,11 @@ class RolloutCollector:
         split_seed: int | None = None,  # the held-out split's seed (None: `seed`)
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
+        if budget.unit == "tokens" and budget.leaves < allocator.leaf_step():
+            raise BudgetError(
+                f"budget.leaves={budget.leaves}: with budget.unit=tokens it is the most leaves an iteration "
+                f"may spend, and {allocator.name} splits budgets by {allocator.leaf_step()}; raise it"
+            )
         require_sampling(sampling)
         ids = [t.task_id for t in env.tasks()]
         if not 0 <= held_out < len(ids):
@@ -158,6 +170,8 @@ class RolloutCollector:
         # between (DataLoader seeds, a resume) cannot change what the next iteration samples.
         self._sampling_rng = torch.Generator().manual_seed(seed).get_state()
         self.iteration = 0
+        # budget.unit=tokens: the last iteration's (leaves, generated tokens, whether the budget bound it)
+        self._spent: tuple[int, int, bool] | None = None
         self.report: IterationReport | None = None
         self.runner: ReActRunner | None = None
         self._engine_version = math.nan  # policy fingerprint the engine last synced to (NaN: never)
@@ -204,9 +218,13 @@ class RolloutCollector:
         assert runner is not None
         runner.take_counters(), runner.engine.take_stats()  # what ran since the last iteration is not its
         runner.on_episode_end = self.on_episode_end
-        plan, sync_seconds = self._plan(module, runner, processes)
-        local, sample_seconds = self._sample(plan, runner, processes)
-        result, counters = processes.gather_iteration(local, runner.take_counters(), self.budget)
+        budget = self._iteration_budget()
+        plan, sync_seconds = self._plan(module, runner, processes, budget)
+        local, sample_seconds = self._sample(plan, runner, processes, budget)
+        result, counters = processes.gather_iteration(local, runner.take_counters(), budget)
+        if self.budget.unit == "tokens":  # what these leaves cost: the next iteration's leaves follow
+            cut = counters.stop_reasons.get("token_budget", 0) > 0 or counters.budget_bound_turns > 0
+            self._spent = (result.ledger.leaves_used, result.ledger.tokens_used, cut)
         _log_info(
             f"iteration {self.iteration}: {result.ledger.leaves_used} trajectories over {len(result.trees)} "
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
@@ -238,7 +256,22 @@ class RolloutCollector:
         self.iteration += 1
         return batches
 
-    def _plan(self, module: Learner, runner: ReActRunner, processes: Processes) -> tuple[_Plan, float]:
+    def _iteration_budget(self) -> Budget:
+        """This iteration's budget: `budget` itself, or under `budget.unit=tokens` its leaves derived from
+        what the last iteration's leaves cost (`allocation.leaves_for_tokens`), capped by max_tokens."""
+        if self.budget.unit != "tokens":
+            return self.budget
+        step = self.allocator.leaf_step()
+        slice_leaves = (
+            self.selection.explore_groups * self.selection.explore_size * (1 + self.allocator.expansion)
+        )
+        least = max(step, -(-slice_leaves // step) * step)
+        leaves = leaves_for_tokens(self.budget, self._spent, step, least)
+        return Budget(leaves, self.budget.max_tokens)
+
+    def _plan(
+        self, module: Learner, runner: ReActRunner, processes: Processes, budget: Budget
+    ) -> tuple[_Plan, float]:
         """Draw the pool, sync the engine to the policy, and score the pool's roots; (the plan, the
         sync's seconds)."""
         pool_ids = self.selection.draw_pool(self.train_ids, self.pool_size, self.iteration, self.rng)
@@ -247,7 +280,7 @@ class RolloutCollector:
         score = IterationScorer(module.scorer, self.prior, used_prior)
         sync_seconds = self._sync_engine(runner.engine, module)
         _log_info(
-            f"iteration {self.iteration}: sampling {self.budget.leaves} trajectories ({self.allocator.name})"
+            f"iteration {self.iteration}: sampling {budget.leaves} trajectories ({self.allocator.name})"
         )
         began = time.perf_counter()
         raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
@@ -264,14 +297,16 @@ class RolloutCollector:
         )
         return plan, sync_seconds
 
-    def _sample(self, plan: _Plan, runner: ReActRunner, processes: Processes) -> tuple[Iteration, float]:
+    def _sample(
+        self, plan: _Plan, runner: ReActRunner, processes: Processes, budget: Budget
+    ) -> tuple[Iteration, float]:
         """This process's trees under the budget (Stage 1 and Stage 2, `iteration.build_trees`), sampled
         on the collector's own RNG stream; (its iteration, seconds since the pool was scored)."""
         torch.set_rng_state(self._sampling_rng)
         local = build_trees(
             plan.pool,
             self.allocator,
-            processes.budget(self.budget),
+            processes.budget(budget),
             plan.score,
             runner,
             self.rng,
@@ -435,6 +470,7 @@ class RolloutCollector:
             "prior": self.prior.state_dict(),
             "selection": self.selection.state_dict(),
             "predictor_fit": self.predictor_fit.state_dict() if self.predictor_fit is not None else None,
+            "spent": self._spent,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -446,6 +482,8 @@ class RolloutCollector:
             self.selection.load_state_dict(state["selection"])
         if self.predictor_fit is not None and state.get("predictor_fit") is not None:
             self.predictor_fit.load_state_dict(state["predictor_fit"])
+        spent = state.get("spent")  # absent in checkpoints written before budget.unit=tokens
+        self._spent = None if spent is None else (int(spent[0]), int(spent[1]), bool(spent[2]))
 
 
 def _root_predictions(pool: list[RolloutTree], score: IterationScorer, processes: Processes) -> np.ndarray:

@@ -49,6 +49,9 @@ class RolloutCounters:
     env_timeouts: int = 0  # steps abandoned after `step_timeout` seconds
     invalid_transitions: list[str] = field(default_factory=list)  # why each rejected transition was garbage
     truncated_observations: int = 0  # observations cut to `max_observation_chars`
+    budget_bound_turns: int = (
+        0  # turns whose generation the iteration's token budget held below max_new_tokens
+    )
 
     def merge(self, other: RolloutCounters) -> None:
         """Add another process's counts (multi-process iterations report the whole iteration)."""
@@ -62,6 +65,7 @@ class RolloutCounters:
             "tool_errors",
             "env_timeouts",
             "truncated_observations",
+            "budget_bound_turns",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -246,6 +250,8 @@ class ReActRunner:
         budget_left = ledger.tokens_left()
         share = self.sampling.max_new_tokens if budget_left is None else budget_left // max(len(live), 1)
         cap = min(self.sampling.max_new_tokens, share)
+        if live and cap < self.sampling.max_new_tokens:
+            self.counters.budget_bound_turns += 1
         if cap < 1:  # the iteration's token budget cannot give every live episode one more token
             for ep in live:
                 self._close(ep, ep.node_id, "token_budget")
