@@ -135,6 +135,15 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     }
 
 
+def run_budget(method: Method, args: argparse.Namespace) -> Budget:
+    """`--leaves` leaves per iteration; with `--tokens`, that many generated tokens per iteration, the
+    leaves derived from each method's own cost per leaf (`budget.unit=tokens`), at most twice its leaves."""
+    if args.tokens is None:
+        return Budget(method.leaves)
+    step = method.allocator.leaf_step()
+    return Budget(2 * method.leaves // step * step, args.tokens, "tokens")
+
+
 def budget_names(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     """(name, M, N) of the budget table: (M, N) is the main trace run."""
     n, m = args.expansion, args.leaves // (1 + args.expansion)
@@ -239,6 +248,7 @@ def iteration_row(data: RolloutDataModule, train_seconds: float) -> dict[str, fl
     return {
         "leaves": leaves,
         "tokens": res.ledger.tokens_used,
+        "optimizer_steps": data.report.optimizer_steps,
         "prompts": len(res.trees),
         "mixed_prompts": int(sum(s.mixed for s in stats)),
         "effective_ratio": float(np.mean([s.mixed for s in stats])),
@@ -268,7 +278,12 @@ class Recorder(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.rows.append(iteration_row(trainer.datamodule, time.perf_counter() - self._epoch_start))
         row = self.rows[-1]
-        assert row["leaves"] == self.leaves, f"{self.name} spent {row['leaves']} leaves, budget {self.leaves}"
+        if self.args.tokens is None:
+            assert row["leaves"] == self.leaves, (
+                f"{self.name} spent {row['leaves']} leaves, budget {self.leaves}"
+            )
+        else:  # a token budget: the leaves are derived, the tokens are the hard limit
+            assert row["tokens"] <= self.args.tokens, f"{self.name} spent {row['tokens']} tokens"
         it = len(self.rows)
         if it % self.args.eval_every == 0 or it == self.args.iterations:
             cum = {k: sum(r[k] for r in self.rows) for k in BUDGET_UNITS}
@@ -328,14 +343,16 @@ def train_run(
         allocator=method.allocator,
         engine=functools.partial(HFEngine, max_batch_size=128),
         sampling=sampling,
-        budget=Budget(method.leaves),
+        budget=run_budget(method, args),
         settings=DataSettings(
             pool_size=args.pool,
             micro_batch_size=args.micro_batch,
             micro_batch_tokens=None,
             max_turns=args.turns,
             max_episode_tokens=MAX_EPISODE_TOKENS,
-            steps_per_iteration=None,  # a step per micro-batch of --micro-batch leaves: the same for all
+            # equal leaves: a step per micro-batch of --micro-batch leaves, the same for all; a token
+            # budget: as many steps as --leaves would make, whatever leaves the tokens buy
+            steps_per_iteration=None if args.tokens is None else args.leaves // args.micro_batch,
         ),
         estimator=ESTIMATORS[args.estimator](),
         cold_start=BetaPrior(warmup=1, decay=args.decay),
@@ -510,6 +527,8 @@ def per_seed_metrics(seed_result: dict[str, Any]) -> dict[str, dict[str, float]]
             "leaves_x_grpo": reach / grpo_total,
             "total_leaves": float(r["evals"][-1]["leaves"]),
             "tokens_per_iteration": mean["tokens"],
+            "leaves_per_iteration": mean["leaves"],
+            "steps_per_iteration": mean["optimizer_steps"],
             "mixed_prefix_per_100": mean["mixed_prefix_per_100"],
             "pool_pred_sd": mean["pool_pred_sd"],
         } | probe_summary(r["probes"])
@@ -795,6 +814,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--leaves", type=int, default=48, help="leaves per iteration, every method")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="an equal token budget instead: generated tokens per iteration (budget.unit=tokens), the "
+        "leaves derived per method, optimizer steps as at --leaves",
+    )
     p.add_argument("--expansion", type=int, default=1, help="N, continuations per bare rollout")
     p.add_argument("--max-per-prompt", type=int, default=8)
     p.add_argument("--breadth", type=float, default=0.2, help="trace_breadth*: bonus per trained prompt")
