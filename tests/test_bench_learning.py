@@ -77,3 +77,28 @@ def test_learning_benchmark_quick_mode(tmp_path):
     )
     assert [line for line in again.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))] == verdicts
     assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
+    """`--tokens`: every method under the same generated-token budget, with the same optimizer steps;
+    the leaves are each method's own (trace's continuations are cheaper, so it gets more)."""
+    out = tmp_path / "learning_tokens.json"
+    args = ["--quick", "--tokens", "150", "--methods", "uniform", "trace", "random_expand"]
+    args += ["--out", str(out), "--plot", str(tmp_path / "p.png"), "--cache", str(tmp_path / "cache")]
+    subprocess.run(
+        [sys.executable, "benchmarks/learning.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.read_text())
+    for run in result["seeds"][0]["runs"]:
+        assert all(row["tokens"] <= 150 for row in run["iterations"]), run["method"]
+    summary = result["summary"]
+    steps = {m: summary[m]["steps_per_iteration"]["mean"] for m in summary}
+    assert len(set(steps.values())) == 1, steps
+    assert (
+        summary["trace"]["leaves_per_iteration"]["mean"] > summary["uniform"]["leaves_per_iteration"]["mean"]
+    )
