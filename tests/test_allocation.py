@@ -263,9 +263,9 @@ def test_every_tree_allocator_runs_without_continuations(name):
 def test_leaves_for_tokens_by_hand():
     """budget.unit=tokens: worked by hand from the rule (90% of max_tokens at the last cost per leaf)."""
     budget = alloc.Budget(48, 1200, "tokens")
-    assert alloc.leaves_for_tokens(budget, None, 3, 3) == 48  # nothing measured: budget.leaves
+    assert alloc.leaves_for_tokens(budget, None, 3, 3) == 24  # nothing measured: half of budget.leaves
     assert alloc.leaves_for_tokens(budget, (24, 800, False), 3, 3) == 30  # 1080 / (800 / 24) = 32.4
     assert alloc.leaves_for_tokens(budget, (24, 1200, True), 3, 3) == 21  # bound: one step fewer
     assert alloc.leaves_for_tokens(budget, (24, 100, False), 3, 3) == 48  # cheap leaves: at most 48
     assert alloc.leaves_for_tokens(budget, (48, 12000, False), 3, 6) == 6  # dear leaves: at least 6
-    assert alloc.leaves_for_tokens(alloc.Budget(50, 1200, "tokens"), None, 4, 4) == 48  # a multiple of 4
+    assert alloc.leaves_for_tokens(alloc.Budget(50, 1200, "tokens"), None, 4, 4) == 24  # a multiple of 4

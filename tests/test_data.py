@@ -80,7 +80,7 @@ class TestTokenBudget:
             assert ledger.tokens_used <= 400 and ledger.leaves_used == ledger.budget.leaves
             bound = counters.stop_reasons.get("token_budget", 0) > 0 or counters.budget_bound_turns > 0
             seen.append((ledger.leaves_used, ledger.tokens_used, bound))
-        assert seen[0][0] == 36  # nothing measured yet: budget.leaves
+        assert seen[0][0] == 18  # nothing measured yet: half of budget.leaves
         assert len({leaves for leaves, _, _ in seen}) > 1  # the leaves moved with the cost
         for (leaves, tokens, cut), (following, _, _) in itertools.pairwise(seen):
             # from the rule's words: after a bound iteration, 3 fewer; else the most multiples of 3 that

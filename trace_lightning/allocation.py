@@ -69,8 +69,10 @@ def leaves_for_tokens(budget: Budget, previous: tuple[int, int, bool] | None, st
 
     `previous` is the last iteration's (leaves, generated tokens, whether the token budget bound it:
     cut an episode, or held a turn below `sampling.max_new_tokens`), None before the first. Without a
-    measurement: `budget.leaves`. After a bound iteration: one `step` fewer than last time, since its
-    token count is what the budget allowed, not what the leaves would have cost.
+    measurement: half of `budget.leaves`, so that the first cost is measured with the budget unlikely
+    to bind (a binding budget shortens every running episode's turn). After a bound iteration: one
+    `step` fewer than last time, since its token count is what the budget allowed, not what the leaves
+    would have cost.
     Otherwise the most leaves whose cost at the last iteration's tokens per leaf fits `TOKEN_HEADROOM`
     of `max_tokens`: the leaves of one iteration are sampled together, so when the budget runs out it
     cuts every episode still running, and the headroom keeps that rare.
@@ -80,7 +82,7 @@ def leaves_for_tokens(budget: Budget, previous: tuple[int, int, bool] | None, st
     1080 / 33.3 = 32.4 -> 30."""
     assert budget.max_tokens is not None
     if previous is None:
-        fit = budget.leaves
+        fit = budget.leaves // 2
     else:
         leaves, tokens, cut = previous
         fit = leaves - step if cut else int(TOKEN_HEADROOM * budget.max_tokens * leaves // max(tokens, 1))
