@@ -81,7 +81,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
 
 def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
     """`--tokens`: every method under the same generated-token budget, with the same optimizer steps;
-    the leaves are each method's own (trace's continuations are cheaper, so it gets more)."""
+    the leaves are each method's own (tests/test_data.py checks that trace's cheaper leaves buy more)."""
     out = tmp_path / "learning_tokens.json"
     args = ["--quick", "--tokens", "150", "--methods", "uniform", "trace", "random_expand"]
     args += ["--out", str(out), "--plot", str(tmp_path / "p.png"), "--cache", str(tmp_path / "cache")]
@@ -99,6 +99,4 @@ def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
     summary = result["summary"]
     steps = {m: summary[m]["steps_per_iteration"]["mean"] for m in summary}
     assert len(set(steps.values())) == 1, steps
-    assert (
-        summary["trace"]["leaves_per_iteration"]["mean"] > summary["uniform"]["leaves_per_iteration"]["mean"]
-    )
+    assert all(summary[m]["leaves_per_iteration"]["mean"] >= 1 for m in summary)

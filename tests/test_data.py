@@ -72,21 +72,24 @@ class TestTokenBudget:
     def test_the_leaves_follow_the_last_iterations_cost_per_leaf(self, tiny_model_dir):
         torch.manual_seed(0)
         module = make_module(tiny_model_dir)
-        data = make_data(alloc.trace(2, max_per_prompt=4), leaves=36, max_tokens=400, unit="tokens")
+        allocator = alloc.trace(2, max_per_prompt=4)
+        step = allocator.leaf_step()
+        assert step == 3  # 1 + N
+        data = make_data(allocator, leaves=36, max_tokens=600, unit="tokens")
         seen = []
         for _ in range(3):
             data.build_iteration(module)
             ledger, counters = data.report.result.ledger, data.report.counters
-            assert ledger.tokens_used <= 400 and ledger.leaves_used == ledger.budget.leaves
+            assert ledger.tokens_used <= 600 and ledger.leaves_used == ledger.budget.leaves
             bound = counters.stop_reasons.get("token_budget", 0) > 0 or counters.budget_bound_turns > 0
             seen.append((ledger.leaves_used, ledger.tokens_used, bound))
-        assert seen[0][0] == 18  # nothing measured yet: half of budget.leaves
+        assert seen[0][0] == 18  # nothing measured yet: half of budget.leaves (a multiple of 3)
         assert len({leaves for leaves, _, _ in seen}) > 1  # the leaves moved with the cost
         for (leaves, tokens, cut), (following, _, _) in itertools.pairwise(seen):
-            # from the rule's words: after a bound iteration, 3 fewer; else the most multiples of 3 that
-            # fit 90% of the budget at the last cost per leaf
-            expected = leaves - 3 if cut else min(36, int(0.9 * 400 * leaves / tokens) // 3 * 3)
-            assert following == max(3, expected)
+            # from the rule's words: after a bound iteration, one step fewer; else the most multiples of
+            # the step that fit 90% of the budget at the last cost per leaf, at most 36
+            expected = leaves - step if cut else min(36, int(0.9 * 600 * leaves / tokens) // step * step)
+            assert following == max(step, expected)
 
     def test_at_an_equal_token_budget_the_tree_method_gets_more_leaves_and_the_same_steps(
         self, tiny_model_dir

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
 from trace_lightning import gauges
-from trace_lightning.allocation import BudgetLedger
+from trace_lightning.allocation import BudgetError, BudgetLedger
 from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.evaluation import EvalResult, EvalSettings, paired_change
@@ -362,7 +362,11 @@ def probe_metrics(
     k, n = half_a + half_b, np.full(len(half_a), 2 * half)
     v = k / n
     n_roots = int(root_counts.sum())
-    true_v = gauges.true_v_allocation(half_a, np.full(len(half_a), half), n_roots, min(cap, half))
+    try:  # the ceiling allocates the same bare rollouts at most min(cap, half) per candidate
+        true_v = gauges.true_v_allocation(half_a, np.full(len(half_a), half), n_roots, min(cap, half))
+        ceiling = gauges.expected_mixed(true_v, half_b, np.full(len(half_b), half))
+    except BudgetError:  # e.g. an odd count under budget.unit=tokens with groups of exactly 2: no ceiling
+        ceiling = math.nan
     return {
         "probe/spearman": gauges.spearman(predicted, v),
         "probe/spearman_contrast": gauges.spearman(predicted * (1 - predicted), v * (1 - v)),
@@ -371,7 +375,7 @@ def probe_metrics(
         "probe/mean_success": float(v.mean()),
         "probe/expected_mixed": gauges.expected_mixed(root_counts, k, n),
         "probe/expected_mixed_random": gauges.expected_mixed_random_pairs(n_roots, k, n),
-        "probe/expected_mixed_true_v": gauges.expected_mixed(true_v, half_b, np.full(len(half_b), half)),
+        "probe/expected_mixed_true_v": ceiling,
     }
 
 

@@ -267,7 +267,20 @@ class RolloutCollector:
         )
         least = max(step, -(-slice_leaves // step) * step)
         leaves = leaves_for_tokens(self.budget, self._spent, step, least)
+        while leaves > least and not self._splittable(leaves):  # e.g. Stage 1's groups all of one size
+            leaves -= step
         return Budget(leaves, self.budget.max_tokens)
+
+    def _splittable(self, leaves: int) -> bool:
+        """Whether the allocator can spend exactly `leaves` over a pool of this size: tried on a
+        throwaway RNG, so the run's own draws are untouched."""
+        try:
+            self.allocator.allocate_roots(
+                np.full(self.pool_size, 0.5), Budget(leaves), np.random.default_rng(0)
+            )
+        except BudgetError:
+            return False
+        return True
 
     def _plan(
         self, module: Learner, runner: ReActRunner, processes: Processes, budget: Budget
