@@ -21,11 +21,9 @@ SAME_BUDGET = [
 ]
 
 
-def test_learning_benchmark_quick_mode(tmp_path):
-    out, png = tmp_path / "learning.json", tmp_path / "learning.png"
-    cache = str(tmp_path / "cache")
-    args = ["--quick", "--out", str(out), "--plot", str(png), "--cache", cache]
-    proc = subprocess.run(
+def learning(args: list[str]) -> subprocess.CompletedProcess:
+    """`benchmarks/learning.py` with these arguments; fails the test if it exits non-zero."""
+    return subprocess.run(
         [sys.executable, "benchmarks/learning.py", *args],
         cwd=ROOT,
         capture_output=True,
@@ -33,6 +31,13 @@ def test_learning_benchmark_quick_mode(tmp_path):
         timeout=300,
         check=True,
     )
+
+
+def test_learning_benchmark_quick_mode(tmp_path):
+    out, png = tmp_path / "learning.json", tmp_path / "learning.png"
+    cache = str(tmp_path / "cache")
+    args = ["--quick", "--out", str(out), "--plot", str(png), "--cache", cache]
+    proc = learning(args)
     for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
         assert title in proc.stdout
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
@@ -85,14 +90,7 @@ def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
     out = tmp_path / "learning_tokens.json"
     args = ["--quick", "--tokens", "150", "--methods", "uniform", "trace", "random_expand"]
     args += ["--out", str(out), "--plot", str(tmp_path / "p.png"), "--cache", str(tmp_path / "cache")]
-    subprocess.run(
-        [sys.executable, "benchmarks/learning.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    learning(args)
     result = json.loads(out.read_text())
     for run in result["seeds"][0]["runs"]:
         assert all(row["tokens"] <= 150 for row in run["iterations"]), run["method"]
