@@ -260,6 +260,20 @@ def test_every_tree_allocator_runs_without_continuations(name):
     assert counts.sum() == 12
 
 
+def test_root_only_ablation_takes_traces_stage1_breadth():
+    """Table 1's "active root" row runs trace's Stage 1, breadth included: the same root counts."""
+    v, budget, rng = np.linspace(0.05, 0.95, 10), Budget(16), np.random.default_rng(0)
+    for breadth in (0.0, 0.2, 1.0):
+        root_only = alloc.trace_root_only(1, 2, 8, breadth).allocate_roots(v, budget, rng)
+        np.testing.assert_array_equal(
+            root_only, alloc.trace(1, 2, 8, breadth=breadth).allocate_roots(v, budget, rng)
+        )
+    wide = alloc.trace_root_only(1, 2, 8, 1.0).allocate_roots(v, budget, rng)
+    assert (wide > 0).sum() > (alloc.trace_root_only(1, 2, 8).allocate_roots(v, budget, rng) > 0).sum()
+    with pytest.raises(BudgetError, match="allocator.breadth"):
+        alloc.trace_root_only(breadth=-1.0)
+
+
 def test_leaves_for_tokens_by_hand():
     """budget.unit=tokens: worked by hand from the rule (90% of max_tokens at the last cost per leaf)."""
     budget = alloc.Budget(48, 1200, "tokens")

@@ -39,6 +39,17 @@ def test_tree_grpo_local_group_is_the_bare_rollout_subtree():
     assert a0[3] == pytest.approx(g[3])
 
 
+def test_tree_grpo_shared_prefix_sum_weighs_a_prefix_once_per_leaf():
+    mean, _ = node_advantages(two_trees(), TreeGRPO())
+    total, _ = node_advantages(two_trees(), TreeGRPO(shared_prefix="sum"))
+    # leaves keep their own advantage; node a (above leaves b and c) gets A(b) + A(c), not their mean
+    np.testing.assert_allclose(total[[2, 3, 4]], mean[[2, 3, 4]])
+    assert total[1] == pytest.approx(mean[2] + mean[4])
+    assert mean[1] == pytest.approx((mean[2] + mean[4]) / 2)
+    with pytest.raises(ValueError, match="advantage.shared_prefix"):
+        TreeGRPO(shared_prefix="max")
+
+
 def test_tree_segment_uses_backed_up_values():
     a0, _ = node_advantages(two_trees(), TreeSegment())
     # V̂: root 1/3, a 1/2, b 1, d 0, c 0. A(b) = (1 - 1/2) + (1 - 1/3) = 7/6

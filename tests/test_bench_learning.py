@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SAME_BUDGET = [
     "uniform",
@@ -11,6 +13,7 @@ SAME_BUDGET = [
     "pcl",
     "random_expand",
     "trace",
+    "trace_shared_sum",
     "trace_head",
     "trace_gate",
     "trace_head_gate",
@@ -41,7 +44,8 @@ def test_learning_benchmark_quick_mode(tmp_path):
     for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
         assert title in proc.stdout
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
-    assert len(verdicts) == 6  # three on the head online, three on learning
+    # equal steps, three on the head online, trace's share of true_v's gain
+    assert len(verdicts) == 5 and verdicts[0].startswith("PASS: optimizer steps per iteration equal")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
     config = result["config"]
@@ -90,7 +94,8 @@ def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
     out = tmp_path / "learning_tokens.json"
     args = ["--quick", "--tokens", "150", "--methods", "uniform", "trace", "random_expand"]
     args += ["--out", str(out), "--plot", str(tmp_path / "p.png"), "--cache", str(tmp_path / "cache")]
-    learning(args)
+    proc = learning(args)
+    assert "at 150 generated tokens per iteration trace minus GRPO" in proc.stdout
     result = json.loads(out.read_text())
     for run in result["seeds"][0]["runs"]:
         assert all(row["tokens"] <= 150 for row in run["iterations"]), run["method"]
@@ -98,3 +103,19 @@ def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
     steps = {m: summary[m]["steps_per_iteration"]["mean"] for m in summary}
     assert len(set(steps.values())) == 1, steps
     assert all(summary[m]["leaves_per_iteration"]["mean"] >= 1 for m in summary)
+
+
+def test_a_token_run_goes_into_the_equal_leaves_json_as_summary_tokens(tmp_path):
+    from benchmarks.learning import merge_tokens
+
+    leaves = {"config": {"tokens": None, "seeds": [0, 1]}, "summary": {"trace": 1}, "verdicts": ["a"]}
+    tokens = {"config": {"tokens": 900, "seeds": [0, 1]}, "summary": {"trace": 2}, "verdicts": ["b"]}
+    path = tmp_path / "learning.json"
+    path.write_text(json.dumps(leaves))
+    merge_tokens(path, tokens | {"seconds": 3.0})
+    merged = json.loads(path.read_text())
+    assert merged["summary"] == {"trace": 1} and merged["summary_tokens"] == {"trace": 2}
+    assert merged["config_tokens"]["tokens"] == 900 and merged["verdicts_tokens"] == ["b"]
+    other = tokens | {"config": {"tokens": 900, "seeds": [0]}, "seconds": 1.0}
+    with pytest.raises(SystemExit, match="same seeds"):
+        merge_tokens(path, other)

@@ -20,6 +20,14 @@ def test_spearman_on_a_hand_example_and_constants():
     assert np.isnan(gauges.spearman(np.array([0.5, 0.5, 0.5]), np.array([0.1, 0.2, 0.3])))
 
 
+def test_noise_ceiling_steps_the_split_half_spearman_up_to_both_halves():
+    # ranks differ by d = -1, 1, -1, 1, 0: rho = 1 - 6 * 4 / (5 * 24) = 0.8; 2 * 0.8 / 1.8 = 0.8889
+    a, b = np.array([1, 2, 3, 4, 5]), np.array([2, 1, 4, 3, 5])
+    assert gauges.noise_ceiling(a, b) == pytest.approx(np.sqrt(1.6 / 1.8))
+    assert np.isnan(gauges.noise_ceiling(a, -b))  # halves that disagree: no ceiling
+    assert np.isnan(gauges.noise_ceiling(a, np.ones(5)))  # a constant half: Spearman undefined
+
+
 def test_brier_and_its_base_rate_against_every_outcome():
     p, s, n = np.array([0.5, 1.0, 0.2]), np.array([1, 2, 0]), np.array([2, 2, 3])
     outcomes = [(0.5, 1), (0.5, 0), (1.0, 1), (1.0, 1), (0.2, 0), (0.2, 0), (0.2, 0)]

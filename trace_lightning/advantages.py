@@ -30,6 +30,7 @@ from trace_lightning.tree import RolloutTree, backup
 # we follow verl 0.9.1 so its published values are our test goldens. The epsilon only guards the
 # division: zero-variance groups are set to exactly 0 explicitly, so it never has to absorb a 0/0.
 GRPO_EPS = 1e-6
+SHARED_PREFIX = ("mean", "sum")  # how a prefix shared by several leaves is credited (TreeGRPO.shared_prefix)
 
 
 def _group_index(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +169,16 @@ def tree_segment(
 
 
 def node_advantages_from_leaves(
-    parents: torch.Tensor, leaf_index: torch.Tensor, leaf_adv: torch.Tensor
+    parents: torch.Tensor, leaf_index: torch.Tensor, leaf_adv: torch.Tensor, reduce: str = "mean"
 ) -> torch.Tensor:
     """Node advantage = mean advantage of the leaves in the node's subtree (the once-per-node rule).
 
     A node's tokens are trained once, yet every leaf below it judged them, so they take the mean of
     those leaves' advantages. For a leaf itself this is its own advantage; nodes with no leaf below
-    get 0. Requires parents[i] < i for every non-root node (true for ids in creation order, and kept
-    when trees are concatenated with offsets), which guarantees the upward walk ends.
+    get 0. `reduce="sum"` gives the sum instead: the weight the node's tokens would get if every leaf's
+    sequence trained them (once per leaf), so a prefix shared by k leaves weighs k times more.
+    Requires parents[i] < i for every non-root node (true for ids in creation order, and kept when
+    trees are concatenated with offsets), which guarantees the upward walk ends.
 
     Vectorised over leaves: all leaves climb one level at a time together (`cur = parents[cur]`), each
     step adding every leaf's advantage to the node it currently stands on, so the loop runs once per
@@ -187,10 +190,13 @@ def node_advantages_from_leaves(
         parents: [n_nodes] long, parent index, -1 for roots.
         leaf_index: [L] long, node id of each leaf.
         leaf_adv: [L] float, advantage of each leaf.
+        reduce: "mean" (once per node) or "sum" (the weight of once per leaf).
 
     Returns:
         [n_nodes] node advantages, dtype of `leaf_adv`.
     """
+    if reduce not in SHARED_PREFIX:
+        raise ValueError(f"advantage.shared_prefix={reduce!r}: use one of {list(SHARED_PREFIX)}")
     n = parents.numel()
     ids = torch.arange(n, device=parents.device)  # [n_nodes]
     if bool((parents >= ids).any()):
@@ -204,6 +210,8 @@ def node_advantages_from_leaves(
         cur = parents[cur]  # [L'], one level up; roots step to -1
         alive = cur >= 0
         cur, adv = cur[alive], adv[alive]
+    if reduce == "sum":
+        return sums  # 0 where no leaf is below
     return torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
 
 
@@ -322,10 +330,11 @@ def _per_tree(trees: Sequence[RolloutTree], offsets: np.ndarray, flat: torch.Ten
 
 
 def _from_leaves(
-    trees: Sequence[RolloutTree], leaf_advantages: Callable[..., torch.Tensor]
+    trees: Sequence[RolloutTree], leaf_advantages: Callable[..., torch.Tensor], reduce: str = "mean"
 ) -> list[np.ndarray]:
-    """A leaf-level estimator's advantages, handed to the nodes under the once-per-node rule.
-    `leaf_advantages(rewards [L], prompt groups [L], first-turn groups [L])` -> [L]."""
+    """A leaf-level estimator's advantages, handed to the nodes under the once-per-node rule (`reduce`:
+    see `node_advantages_from_leaves`). `leaf_advantages(rewards [L], prompt groups [L], first-turn
+    groups [L])` -> [L]."""
     if not trees:
         return []
     parents, tree_of, offsets = _forest(trees)
@@ -338,7 +347,7 @@ def _from_leaves(
     groups = torch.tensor(tree_of[leaf_ids])
     local = torch.tensor(_depth_one_ancestor(parents, leaf_ids))
     leaf_adv = leaf_advantages(rewards, groups, local)
-    flat = node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv)
+    flat = node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv, reduce)
     return _per_tree(trees, offsets, flat)
 
 
@@ -381,12 +390,22 @@ class RLOO:
 
 @dataclass(frozen=True)
 class TreeGRPO:
-    """GRPO within the leaf's first-turn subtree plus GRPO within the prompt (`advantages.tree_grpo`)."""
+    """GRPO within the leaf's first-turn subtree plus GRPO within the prompt (`advantages.tree_grpo`).
 
+    `shared_prefix`: a prefix shared by k leaves trains once with the mean of their advantages ("mean",
+    the default) or with their sum ("sum": the weight it would have if each leaf's sequence trained it)."""
+
+    shared_prefix: str = "mean"
     name = "tree_grpo"
 
+    def __post_init__(self) -> None:
+        if self.shared_prefix not in SHARED_PREFIX:
+            raise ValueError(
+                f"advantage.shared_prefix={self.shared_prefix!r}: use one of {list(SHARED_PREFIX)}"
+            )
+
     def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, local: tree_grpo(r, local, groups))
+        return _from_leaves(trees, lambda r, groups, local: tree_grpo(r, local, groups), self.shared_prefix)
 
 
 @dataclass(frozen=True)

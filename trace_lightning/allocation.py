@@ -462,11 +462,15 @@ def trace(
     )
 
 
-def trace_root_only(expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16) -> TreeAllocator:
-    """Table 1 "active root / uniform prefix"."""
+def trace_root_only(
+    expansion: int = 2, min_group: int = 2, max_per_prompt: int | None = 16, breadth: float = 0.0
+) -> TreeAllocator:
+    """Table 1 "active root / uniform prefix": trace's Stage 1 (with its `breadth`), random prefixes."""
+    if breadth < 0:
+        raise BudgetError(f"allocator.breadth={breadth} must be >= 0 (0: the spec's objective)")
     return TreeAllocator(
         "trace_root_only",
-        ActiveRoots(min_group, max_per_prompt),
+        ActiveRoots(min_group, max_per_prompt, 1, breadth),
         RandomPrefixes() if expansion else None,
         expansion,
     )

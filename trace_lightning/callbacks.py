@@ -370,6 +370,7 @@ def probe_metrics(
     return {
         "probe/spearman": gauges.spearman(predicted, v),
         "probe/spearman_contrast": gauges.spearman(predicted * (1 - predicted), v * (1 - v)),
+        "probe/spearman_ceiling": gauges.noise_ceiling(half_a, half_b),  # what knowing V would reach
         "probe/brier": gauges.brier(predicted, k, n),
         "probe/base_rate_brier": gauges.base_rate_brier(k, n),
         "probe/mean_success": float(v.mean()),

@@ -37,6 +37,17 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(average_ranks(a), average_ranks(b))[0, 1])
 
 
+def noise_ceiling(half_a: np.ndarray, half_b: np.ndarray) -> float:
+    """The Spearman a predictor that knew every candidate's true success rate would reach against the
+    rates of both halves pooled: split-half reliability r = Spearman(half_a, half_b), stepped up to the
+    pooled sample by Spearman-Brown (2r / (1 + r)), and its square root (the correlation of the truth
+    with a measurement of that reliability). NaN when r is undefined or <= 0.
+
+    Example: halves that agree with r = 0.6 -> reliability 0.75 -> ceiling 0.866."""
+    r = spearman(half_a, half_b)
+    return float(np.sqrt(2 * r / (1 + r))) if np.isfinite(r) and r > 0 else float("nan")
+
+
 def brier(p: np.ndarray, successes: np.ndarray, samples: np.ndarray) -> float:
     """Mean (p_i - y)^2 over every outcome y of every candidate i, with `successes[i]` of `samples[i]`
     outcomes being 1: sum_i [s_i (1 - p_i)^2 + (n_i - s_i) p_i^2] / sum_i n_i.
