@@ -393,8 +393,23 @@ def train_run(
         "iterations": running_sums(rows),
         "evals": evals,
         "probes": [{"iteration": it, **m} for it, m in probe.history],
+        **({"probe_rates": probe_rates(probe)} if getattr(args, "probe_rates", False) else {}),
         "seconds": seconds,
     }
+
+
+def probe_rates(probe: SuccessProbe) -> list[dict[str, Any]]:
+    """Every probe's candidates with the head's raw prediction and each half's successes."""
+    return [
+        {
+            "iteration": it,
+            "task_ids": ids,
+            "predicted": list(map(float, p)),
+            "half_a": list(map(float, a)),
+            "half_b": list(map(float, b)),
+        }
+        for it, ids, p, a, b in probe.rates
+    ]
 
 
 def true_v_oracle(collector: Any, samples: int, seed: int, module: Any, pool_ids: list[int]) -> np.ndarray:

@@ -119,3 +119,38 @@ def test_a_token_run_goes_into_the_equal_leaves_json_as_summary_tokens(tmp_path)
     other = tokens | {"config": {"tokens": 900, "seeds": [0]}, "seconds": 1.0}
     with pytest.raises(SystemExit, match="same seeds"):
         merge_tokens(path, other)
+
+
+def test_predictor_ceiling_quick_mode_keeps_every_probe_candidate(tmp_path):
+    out = tmp_path / "ceiling.json"
+    args = ["--quick", "--out", str(out), "--cache", str(tmp_path / "cache")]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/predictor_ceiling.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "root oracle" in proc.stdout
+    result = json.loads(out.read_text())
+    run = result["runs"][0]["runs"][0]
+    assert run["method"] == "trace" and len(run["probe_rates"]) == 5  # every iteration after the prior's
+    for probe in run["probe_rates"]:
+        assert len(probe["task_ids"]) == len(probe["predicted"]) == len(probe["half_a"]) == 8  # the pool
+        assert all(0 <= a <= 8 for a in probe["half_a"] + probe["half_b"])  # successes of 8 episodes
+    assert result["per_seed"][0]["probes"] == 3  # the first two only train the oracles
+
+
+def test_root_attributes_are_what_the_question_shows():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from predictor_ceiling import all_attributes, root_attributes
+
+    from trace_lightning.envs.decisive import DecisiveTask, render_question
+
+    task = DecisiveTask(0, ("C", "F", "B"), decisive=1, shift=2, tolerance=0, n_letters=8)
+    assert render_question(task) == "3 keys, 0 errors ok, A-H. Key 2 +2. Key 1: C."
+    assert root_attributes(task) == [2, 0, 3, 8, 1, 2]  # shift, errors, keys, letters, key 2, "C"
+    assert all_attributes(task)[6:] == [2, 5, 1, -1]  # C, F, B, no fourth key
+    first = DecisiveTask(1, ("F", "B"), decisive=0, shift=2, tolerance=1, n_letters=8)
+    assert root_attributes(first)[-1] == 7  # the first cue "F+2=H" shows H
