@@ -632,8 +632,14 @@ MAIN = [
 def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """The main table, Table 1, the (M, N) table and the verdict on each target; returns the verdicts."""
     seeds = len(summary["uniform"]["final_success"]["per_seed"])
+    tokens = getattr(args, "tokens", None)  # absent from the configs of runs made before the token budget
+    budget = f"{args.leaves} leaves per iteration"
+    if tokens is not None:
+        budget = (
+            f"{tokens} generated tokens per iteration (leaves derived, optimizer steps as at {args.leaves})"
+        )
     print(
-        f"\nMain comparison: {args.leaves} leaves per iteration, {args.iterations} iterations, {seeds} seeds "
+        f"\nMain comparison: {budget}, {args.iterations} iterations, {seeds} seeds "
         f"(mean ± std over seeds; held-out success, 2-point trailing mean)"
     )
     print(
@@ -682,7 +688,7 @@ def print_tables(summary: dict[str, Any], args: argparse.Namespace) -> list[str]
                 f"{fmt(s['effective_ratio']):>15s} {s['total_leaves']['mean']:12.0f}"
             )
     print_probe_table(summary)
-    return verdicts(summary, args.tokens, [n for n, _, _ in budget_names(args)[1:]])
+    return verdicts(summary, tokens, [n for n, _, _ in budget_names(args)[1:]])
 
 
 def print_probe_table(summary: dict[str, Any]) -> None:

@@ -17,9 +17,10 @@ per-candidate outcomes are kept. For every probe after the first two, averaged:
   predictor can do on this testbed;
 - full oracle: the same, also told what the prompt does not show (every key's letter).
 
-The gap between the noise ceiling and the root oracle is the part of V that a root prediction cannot
-see here (which letters come later, and how this policy handles them); `true_v` sees it, because its
-Monte Carlo episodes play those turns.
+Between the oracles and the noise ceiling lies what the task's attributes do not tell, even with
+clean labels from many other tasks: how this policy does on this particular task, which only playing
+it (or many earlier visits to it) reveals. `true_v`'s fresh episodes see it; a root prediction made
+before any turn does not.
 """
 
 from __future__ import annotations
