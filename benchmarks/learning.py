@@ -26,9 +26,10 @@ Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prom
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
-Targets: trace's effective ratio >= 1.8x GRPO's and mixed prompts per iteration >= 1.3x;
-trace reaches GRPO's final held-out success with <= 0.6x GRPO's leaves in >= 4 of 5 seeds; trace's
-final held-out success at equal leaves >= GRPO's (paired over seeds).
+Verdicts (`verdicts`): every method makes the same optimizer steps; the head online (Spearman with the
+probe >= 0.70, Brier <= 0.8x the base rate's, expected mixed prompts >= 0.8x the true-v allocation's);
+at equal leaves trace recovers >= 50% of true_v's gain over GRPO; at an equal token budget (`--tokens`)
+trace gains >= +0.02 over GRPO, in >= 4 of 5 seeds, and no less than random_expand.
 """
 
 from __future__ import annotations
