@@ -10,7 +10,7 @@ per-candidate outcomes are kept. For every probe after the first two, averaged:
 - head: Spearman of the online head's raw root predictions with the probed rates (as learning.py);
 - noise ceiling: what knowing each candidate's true rate would reach against this probe
   (`gauges.noise_ceiling`: the halves' Spearman, stepped up by Spearman-Brown);
-- root oracle: a gradient-boosted regressor (scikit-learn, which mlflow installs) on the task attributes
+- root oracle: a gradient-boosted regressor (scikit-learn, in the dev extra) on the task attributes
   a prompt shows before any turn (shift, mistakes allowed, keys, letters, which key shifts, the first
   cue) and the iteration, fitted on the probed rates of every earlier probe: clean, unbiased labels
   for every candidate, dozens of times what training gives the head. Roughly the best a root
