@@ -400,10 +400,12 @@ def train_run(
 
 
 def probe_rates(probe: SuccessProbe) -> list[dict[str, Any]]:
-    """Every probe's candidates with the head's raw prediction and each half's successes."""
+    """Every probe's candidates with the head's raw prediction and each half's successes (of `half`
+    episodes each)."""
     return [
         {
             "iteration": it,
+            "episodes": 2 * probe.half,
             "task_ids": ids,
             "predicted": list(map(float, p)),
             "half_a": list(map(float, a)),
@@ -921,6 +923,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_seeds(args: argparse.Namespace, seeds: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """`run_seed` for each seed, in up to `args.workers` spawned processes (one thread each)."""
+    if args.workers > 1 and len(seeds) > 1:
+        with mp.get_context("spawn").Pool(min(args.workers, len(seeds))) as pool:
+            return dict(zip(seeds, pool.starmap(run_seed, [(args, s) for s in seeds]), strict=True))
+    return {s: run_seed(args, s) for s in seeds}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.from_json is not None:
@@ -934,11 +944,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shared_warm_start(args)  # once, before the workers start
     done = {s: r for s in args.seeds if (r := finished_seed(args, s)) is not None} if args.resume else {}
     todo = [s for s in args.seeds if s not in done]
-    if args.workers > 1 and len(todo) > 1:
-        with mp.get_context("spawn").Pool(min(args.workers, len(todo))) as pool:
-            ran = dict(zip(todo, pool.starmap(run_seed, [(args, s) for s in todo]), strict=True))
-    else:
-        ran = {s: run_seed(args, s) for s in todo}
+    ran = run_seeds(args, todo)
     seed_results = [done.get(s) or ran[s] for s in args.seeds]
     summary = summarize(seed_results)
     verdict_lines = print_tables(summary, args)

@@ -1,6 +1,6 @@
 """The predictor against what the root can know, on the learning testbed (`benchmarks/learning.py`).
 
-    python benchmarks/predictor_ceiling.py            # 2 seeds of trace, a probe every 2 iterations (~4 min)
+    python benchmarks/predictor_ceiling.py            # 2 seeds of trace, a probe every 2 iterations (~2 min)
     python benchmarks/predictor_ceiling.py --quick    # the test suite's smoke run
 
 `trace` runs as in the learning benchmark (same warm start, testbed and seeds), with the Monte Carlo
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import tempfile
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from learning import parse_args as learning_args
-from learning import run_seed, shared_warm_start, shipped_config, testbed
+from learning import run_seeds, shared_warm_start, shipped_config, testbed
 from sklearn.ensemble import HistGradientBoostingRegressor
 
 from trace_lightning import gauges
@@ -118,18 +117,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = time.perf_counter()
     args.trainer, args.experiment = shipped_config(str(run_dir))
     shared_warm_start(args)  # once, before the workers start
-    if own.workers > 1 and len(args.seeds) > 1:
-        with mp.get_context("spawn").Pool(min(own.workers, len(args.seeds))) as pool:
-            results = pool.starmap(run_seed, [(args, s) for s in args.seeds])
-    else:
-        results = [run_seed(args, s) for s in args.seeds]
+    args.workers = own.workers
+    results = list(run_seeds(args, args.seeds).values())
     tasks = testbed(args)[0].by_id
-    per_seed = []
-    for result in results:
-        run = result["runs"][0]
-        for probe in run["probe_rates"]:
-            probe["episodes"] = 2 * args.probe_half
-        per_seed.append({"seed": result["seed"], **score_run(run, tasks)})
+    per_seed = [{"seed": r["seed"], **score_run(r["runs"][0], tasks)} for r in results]
     columns = ("head", "root_oracle", "full_oracle", "noise_ceiling")
     print(f"\n{'seed':>4s} {'probes':>6s}" + "".join(f"{c.replace('_', ' '):>14s}" for c in columns))
     for s in per_seed:

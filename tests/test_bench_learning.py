@@ -24,10 +24,10 @@ SAME_BUDGET = [
 ]
 
 
-def learning(args: list[str]) -> subprocess.CompletedProcess:
-    """`benchmarks/learning.py` with these arguments; fails the test if it exits non-zero."""
+def learning(args: list[str], script: str = "learning.py") -> subprocess.CompletedProcess:
+    """`benchmarks/<script>` with these arguments; fails the test if it exits non-zero."""
     return subprocess.run(
-        [sys.executable, "benchmarks/learning.py", *args],
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -124,14 +124,7 @@ def test_a_token_run_goes_into_the_equal_leaves_json_as_summary_tokens(tmp_path)
 def test_predictor_ceiling_quick_mode_keeps_every_probe_candidate(tmp_path):
     out = tmp_path / "ceiling.json"
     args = ["--quick", "--out", str(out), "--cache", str(tmp_path / "cache")]
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/predictor_ceiling.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    proc = learning(args, "predictor_ceiling.py")
     assert "root oracle" in proc.stdout
     result = json.loads(out.read_text())
     run = result["runs"][0]["runs"][0]
