@@ -830,7 +830,7 @@ QUICK = {
     "tasks": 40,
     "heldout_tasks": 8,
     "pool": 8,
-    "leaves": 12,
+    "leaves": 24,  # trace's closed gate spends M = 12 bare rollouts in GRPO's groups of 4
     "iterations": 2,
     "eval_every": 1,
     "eval_samples": 1,

@@ -37,7 +37,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 WARM_START = "outputs/warm_start/smollm2-math_tool/model"
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
     "trace": [],
-    "uniform": ["allocator=uniform", "advantage=grpo"],
+    "grpo": ["allocator=uniform", "advantage=grpo"],
+    "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
 }
 
 
@@ -128,94 +129,217 @@ def plot_curve(held: dict[str, Any], path: Path) -> None:
     fig.savefig(path)
 
 
+# The comparison's tasks: the mixed-difficulty task, where prompts range from decided to mixed and
+# allocation has room, and difficulty 2 alone (the default job's task), the control where it has little.
+TASKS: dict[str, dict[str, Any]] = {
+    "mixed": {
+        "env": ["env=math_tool_mixed"],
+        "warm_start": "outputs/warm_start/smollm2-math_tool_mixed/model",
+        "room": True,
+        "methods": ["grpo", "trace", "knapsack"],
+    },
+    "control": {"env": [], "warm_start": WARM_START, "room": False, "methods": ["grpo", "trace"]},
+}
+
+
 def compare(args: argparse.Namespace) -> None:
+    """Every (task, seed, method) run at an equal budget of generated tokens per iteration and equal
+    optimizer steps, seed-major so a cut-off comparison still holds paired seeds; finished runs are read
+    back, so the comparison completes in parts (`--only` picks some runs)."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    methods = args.methods.split(",")
+    tasks = args.tasks.split(",")
     out_path = Path(args.out or RESULTS / "real_learning.json")
-    runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    record = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    budget = ["budget.unit=tokens", f"budget.max_tokens={args.tokens}", f"budget.leaves={args.max_leaves}"]
     began = time.perf_counter()
-    for seed in seeds:  # seed-major: a cut-off run still holds paired seeds
-        for m in methods:
-            probe = bool(args.probe) and m == methods[0] and seed == seeds[min(1, len(seeds) - 1)]
-            overrides = [  # seed 0 of trace is the default job's command exactly
-                f"model.warm_start={args.warm_start}",
-                # another training seed, the same problems and held-out split as the warm start's (seed 0)
-                *([f"seed={seed}", "env.seed=0", "data.split_seed=0"] if seed else []),
-                *METHODS[m],
-                *(["callbacks=probe", f"callbacks.probe.every_n_epochs={args.probe}"] if probe else []),
-                *args.extra,
-            ]
-            runs[m][str(seed)] = train(overrides, Path(args.work) / f"{m}_seed{seed}")
-            write(out_path, report(runs, seeds, args, time.perf_counter() - began))
+    for task in tasks:
+        spec, runs = TASKS[task], {}
+        methods = args.methods.split(",") if args.methods else spec["methods"]
+        for seed in seeds:
+            for m in methods:
+                probe = bool(args.probe) and m == "trace" and seed == seeds[min(1, len(seeds) - 1)]
+                overrides = [
+                    f"model.warm_start={spec['warm_start']}",
+                    *spec["env"],
+                    # another training seed, the same problems and held-out split as the warm start's (seed 0)
+                    f"seed={seed}",
+                    "env.seed=0",
+                    "data.split_seed=0",
+                    *budget,
+                    *METHODS[m],
+                    *(["callbacks=probe", f"callbacks.probe.every_n_epochs={args.probe}"] if probe else []),
+                    *args.extra,
+                ]
+                name = f"{task}_{m}_seed{seed}"
+                path, done = Path(args.work) / name, Path(args.work) / f"{name}.run.json"
+                if args.only and name not in args.only.split(","):
+                    if not done.is_file():
+                        continue
+                    runs.setdefault(m, {})[str(seed)] = json.loads(done.read_text())  # an earlier part's
+                else:
+                    runs.setdefault(m, {})[str(seed)] = train(overrides, path)
+                record.setdefault("tasks", {})[task] = task_report(spec, runs, seeds, args)
+                record["seconds_this_part"] = time.perf_counter() - began
+                write(out_path, record)
 
 
-def report(
-    runs: dict[str, dict[str, Any]], seeds: list[int], args: argparse.Namespace, seconds: float
+def task_report(
+    spec: dict[str, Any], runs: dict[str, dict[str, Any]], seeds: list[int], args: argparse.Namespace
 ) -> dict[str, Any]:
-    results = {}
+    """One task's figures per method: what the issue of fair comparison asks for, per seed where it
+    varies, plus the paired differences to GRPO."""
+    methods = {}
     for m, by_seed in runs.items():
-        seeds_done = [s for s in seeds if str(s) in by_seed]
-        done = [by_seed[str(s)] for s in seeds_done]
-        if not done:
-            continue
-        deltas = [r["held_out"]["change"] for r in done]
-        mixed = [float(np.mean(per_iteration(r, "mixed_roots"))) for r in done]
-        results[m] = {
-            "seeds": [s for s in seeds if str(s) in by_seed],
-            "heldout_before": float(np.mean([r["held_out"]["start"] for r in done])),
-            "heldout_after": float(np.mean([r["held_out"]["final"] for r in done])),
-            "heldout_delta": float(np.mean(deltas)),
-            "heldout_delta_se": float(np.std(deltas, ddof=1) / np.sqrt(len(deltas)))
-            if len(done) > 1
-            else done[0]["held_out"]["change_se"],
-            "final_per_seed": [r["held_out"]["final"] for r in done],
-            "final_se_per_seed": [r["held_out"]["curve"][-1]["pass_at_1_se"] for r in done],
-            "heldout_delta_per_seed": deltas,
-            "heldout_delta_se_per_seed": [r["held_out"]["change_se"] for r in done],
-            "mixed_prompts_per_iteration": float(np.mean(mixed)),
-            "mixed_prompts_per_iteration_per_seed": mixed,
-            "mixed_prefixes_per_iteration": float(
-                np.mean([np.mean(per_iteration(r, "mixed_prefixes")) for r in done])
+        done = [(s, by_seed[str(s)]) for s in seeds if str(s) in by_seed]
+        its = [r["iterations"] for _, r in done]
+        methods[m] = {
+            "overrides": METHODS[m],
+            "seeds": [s for s, _ in done],
+            "final_per_seed": [r["held_out"]["final"] for _, r in done],
+            "final_se_per_seed": [r["held_out"]["curve"][-1]["pass_at_1_se"] for _, r in done],
+            "start_per_seed": [r["held_out"]["start"] for _, r in done],
+            "curve_per_seed": [[p["pass_at_1"] for p in r["held_out"]["curve"]] for _, r in done],
+            "tokens_per_seed": [sum(it["tokens"] for it in i) for i in its],
+            "tokens_per_iteration_max_per_seed": [max(it["tokens"] for it in i) for i in its],
+            "leaves_per_iteration_per_seed": [float(np.mean([it["leaves"] for it in i])) for i in its],
+            "optimizer_steps_per_seed": [sum(it["optimizer_steps"] for it in i) for i in its],
+            "mixed_share": float(np.mean([it["effective_ratio"] for i in its for it in i])),
+            "mixed_prompts_per_iteration": float(np.mean([it["mixed_roots"] for i in its for it in i])),
+            "prompts_per_iteration": float(np.mean([it.get("prompts", 0) for i in its for it in i])),
+            "distinct_prompts_per_optimizer_step": float(
+                np.mean([it.get("prompts", 0) / max(it["optimizer_steps"], 1) for i in its for it in i])
             ),
-            "train_success": [per_iteration(r, "success_rate") for r in done],
-            "leaves_per_iteration": per_iteration(done[0], "leaves"),
-            "optimizer_steps": [sum(per_iteration(r, "optimizer_steps")) for r in done],
-            "tokens": [sum(per_iteration(r, "tokens")) for r in done],
-            "trainer_seconds": [r["trainer_seconds"] for r in done],
-            **{f"probe_seed{s}": r["probe"] for s, r in zip(seeds_done, done, strict=True) if "probe" in r},
+            "gate_open_share": float(np.mean([it.get("steered", True) for i in its for it in i])),
+            "returned_leaves_per_iteration": float(
+                np.mean([it.get("returned_leaves", 0) for i in its for it in i])
+            ),
+            "continuations_by_depth": _summed(
+                [it.get("continuations_by_depth", []) for i in its for it in i]
+            ),
+            "flips_by_depth": _summed([it.get("flips_by_depth", []) for i in its for it in i]),
+            "gate_skill_last_per_seed": [i[-1].get("gate_skill") for i in its],
+            "trainer_seconds_per_seed": [r["trainer_seconds"] for _, r in done],
+            **{f"probe_seed{s}": r["probe"] for s, r in done if "probe" in r},
         }
-    verdicts = []
-    if {"trace", "uniform"} <= results.keys():
-        paired = [s for s in results["trace"]["seeds"] if s in results["uniform"]["seeds"]]
-        t = {s: f for s, f in zip(results["trace"]["seeds"], results["trace"]["final_per_seed"], strict=True)}
-        u = {
-            s: f
-            for s, f in zip(results["uniform"]["seeds"], results["uniform"]["final_per_seed"], strict=True)
-        }
-        wins = sum(t[s] >= u[s] for s in paired)
-        ratio = results["trace"]["mixed_prompts_per_iteration"] / max(
-            results["uniform"]["mixed_prompts_per_iteration"], 1e-9
-        )
-        verdicts = [
-            f"trace's final held-out pass@1 >= uniform's in {wins} of {len(paired)} paired seeds",
-            f"mixed prompts per iteration: trace / uniform = {ratio:.2f}",
-        ]
-    return {
-        "config": {"warm_start": args.warm_start, "methods": list(runs), "seeds": seeds, "extra": args.extra},
-        "overrides": {m: METHODS[m] for m in runs},
-        "results": results,
-        "verdicts": verdicts,
-        "runs": runs,
-        "seconds": seconds,
+    out = {
+        "env": spec["env"],
+        "warm_start": spec["warm_start"],
+        "room": spec["room"],
+        "budget": {"unit": "tokens", "per_iteration": args.tokens, "max_leaves": args.max_leaves},
+        "extra": args.extra,
+        "methods": methods,
     }
+    if "grpo" in methods:
+        out["versus_grpo"] = {m: _paired(methods[m], methods["grpo"]) for m in methods if m != "grpo"}
+    return out
+
+
+def _summed(rows: list[list[int]]) -> list[int]:
+    width = max((len(r) for r in rows), default=0)
+    return [sum(r[d] for r in rows if d < len(r)) for d in range(width)]
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """a - b on the seeds both finished: final held-out pass@1 (mean, SE over seeds, wins), mixed share
+    and mixed prompts as ratios."""
+    common = [s for s in a["seeds"] if s in b["seeds"]]
+    fa = dict(zip(a["seeds"], a["final_per_seed"], strict=True))
+    fb = dict(zip(b["seeds"], b["final_per_seed"], strict=True))
+    d = [fa[s] - fb[s] for s in common]
+    return {
+        "seeds": common,
+        "final_diff_per_seed": d,
+        "final_diff": float(np.mean(d)) if d else None,
+        "final_diff_se": float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None,
+        "seeds_above": int(sum(x > 0 for x in d)),
+        "mixed_share_ratio": a["mixed_share"] / max(b["mixed_share"], 1e-9),
+        "mixed_prompts_ratio": a["mixed_prompts_per_iteration"] / max(b["mixed_prompts_per_iteration"], 1e-9),
+    }
+
+
+def pilot(args: argparse.Namespace) -> None:
+    """Is there room for allocation on a task? Its warm start plays every held-out problem
+    `--pilot-samples` times at the training temperature (`python -m trace_lightning.evaluate`), and from
+    the per-problem successes: pass@1 per difficulty level, GRPO's mixed share (groups of that many on
+    uniformly drawn problems), and the expected mixed pairs that an allocator knowing each level's mean
+    success (pooled over the level: what the attribute estimates can reach) buys over random pairs, on
+    random pools of `data.pool_size` candidates with 16 root rollouts, as in the default job."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from trace_lightning import config
+    from trace_lightning.envs.math_tool import generated_attributes
+    from trace_lightning.gauges import mixed_prob_unbiased
+
+    spec = TASKS[args.tasks.split(",")[0]]
+    run_dir = Path(args.work) / f"pilot_{args.tasks.split(',')[0]}"
+    overrides = [
+        f"model.warm_start={spec['warm_start']}",
+        *spec["env"],
+        f"eval.samples={args.pilot_samples}",
+        "eval.temperature=null",
+        "logger=none",
+        f"run_dir={run_dir}",
+        *args.extra,
+    ]
+    if not (run_dir / "evaluation.json").is_file():
+        subprocess.run([sys.executable, "-m", "trace_lightning.evaluate", *overrides], cwd=ROOT, check=True)
+    result = json.loads((run_dir / "evaluation.json").read_text())["result"]
+    config.register()
+    with initialize_config_dir(str(config.conf_dir()), version_base="1.3"):  # the task the trainer builds
+        env = instantiate(compose("train", overrides=[*spec["env"], *args.extra]).env)
+    tasks = {t.task_id: t for t in env.tasks()}
+    ids, wins = np.array(result["task_ids"]), np.array(result["successes"], dtype=float)
+    n = np.full(len(ids), result["samples"])
+    level = np.array([generated_attributes(tasks[i].question, tasks[i].answer[0])[0] for i in ids])
+    mixed_group = mixed_prob_unbiased(wins, n, n)  # [P] P(a group of `samples` is mixed), unbiased
+    mixed_pair = mixed_prob_unbiased(wins, n, np.full(len(ids), 2))  # [P]
+    by_level = {}
+    for lv in sorted(set(level)):
+        sel = level == lv
+        by_level[lv] = {
+            "problems": int(sel.sum()),
+            "pass_at_1": float(wins[sel].sum() / n[sel].sum()),
+            "mixed_share_groups": float(mixed_group[sel].mean()),
+        }
+    level_rate = {lv: by_level[lv]["pass_at_1"] for lv in by_level}
+    rng = np.random.default_rng(0)
+    oracle, random_ = [], []
+    for _ in range(2000):  # random pools of 24 candidates, 16 root rollouts = 8 pairs
+        pool = rng.choice(len(ids), size=24, replace=False)
+        v = np.array([level_rate[level[i]] for i in pool])
+        best = pool[np.argsort(-(1 - v**2 - (1 - v) ** 2), kind="stable")[:8]]
+        oracle.append(mixed_pair[best].sum())
+        random_.append(mixed_pair[rng.choice(pool, size=8, replace=False)].sum())
+    out = {
+        "task": args.tasks.split(",")[0],
+        "overrides": overrides,
+        "samples": int(result["samples"]),
+        "temperature": result["temperature"],
+        "pass_at_1": result["pass_at_1"],
+        "grpo_mixed_share": float(mixed_group.mean()),
+        "by_level": by_level,
+        "expected_mixed_pairs_level_oracle": float(np.mean(oracle)),
+        "expected_mixed_pairs_random": float(np.mean(random_)),
+        "level_oracle_over_random": float(np.mean(oracle) / max(np.mean(random_), 1e-9)),
+        "targets": {"GRPO's mixed share in [0.25, 0.40]": 0.25 <= float(mixed_group.mean()) <= 0.40},
+    }
+    out["targets"]["level oracle >= 1.5x random"] = out["level_oracle_over_random"] >= 1.5
+    path = Path(args.out or RESULTS / f"real_pilot_{out['task']}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
 
 
 def write(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
+    shown = ("held_out", "targets", "results", "verdicts")
+    if "tasks" in record:
+        shown, record = ("tasks",), {"tasks": {t: r.get("versus_grpo") for t, r in record["tasks"].items()}}
     print(
         json.dumps(
-            {k: record[k] for k in ("held_out", "targets", "results", "verdicts") if k in record},
+            {k: record[k] for k in shown if k in record},
             indent=1,
             default=str,
         )[:3000]
@@ -226,15 +350,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["default", "compare"])
+    parser.add_argument("what", choices=["default", "compare", "pilot"])
+    parser.add_argument("--pilot-samples", type=int, default=4, help="pilot: episodes per held-out problem")
     parser.add_argument("--warm-start", default=WARM_START)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--methods", default="trace,uniform")
+    parser.add_argument("--tasks", default="mixed,control", help=f"compare: of {sorted(TASKS)}")
+    parser.add_argument("--methods", default=None, help="compare: these methods (default: the task's)")
+    parser.add_argument("--only", default=None, help="compare: run only these <task>_<method>_seed<s>")
+    parser.add_argument("--tokens", type=int, default=1200, help="compare: generated tokens per iteration")
+    parser.add_argument(
+        "--max-leaves", type=int, default=96, help="compare: the most leaves an iteration may spend"
+    )
     parser.add_argument(
         "--probe",
         type=int,
         default=0,
-        help="every this many iterations, the predictor probe on the first method's second seed (0: none)",
+        help="every this many iterations, the predictor probe on trace's second seed (0: none)",
     )
     parser.add_argument("--extra", nargs="*", default=[], help="more trainer overrides, for every run")
     parser.add_argument("--work", default="outputs/real_task", help="where the runs' folders go")
@@ -245,7 +376,7 @@ def main() -> None:
         out_path = Path(args.out or RESULTS / "default_job.json")
         plot_curve(json.loads(out_path.read_text())["held_out"], out_path.with_suffix(".png"))
         return
-    (default_job if args.what == "default" else compare)(args)
+    {"default": default_job, "compare": compare, "pilot": pilot}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class Record(L.Callback):
                 "pool_predicted": report.result.pool_predicted.tolist(),
                 "root_counts": report.result.root_counts.tolist(),
                 "leaves_used": report.result.ledger.leaves_used,
+                "continuations": report.result.ledger.leaves["expand"],
                 "trees": sorted(t.task_id for t in report.result.trees),
                 "local_trees": sorted(t.task_id for t in trainer.datamodule.report.local_trees),
                 "local_leaves": sum(len(t.leaves()) for t in trainer.datamodule.report.local_trees),

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trace_lightning.pricing import Pricing
+
 # Predictions are clipped away from 0 and 1 so that every gain stays strictly positive: a saturated
 # predictor then still prefers the least-decided anchor instead of an arbitrary one.
 PROB_EPS = 1e-4
@@ -102,6 +104,7 @@ class BudgetLedger:
     leaves: dict[str, int] = field(default_factory=lambda: {"bare": 0, "expand": 0})
     tokens: dict[str, int] = field(default_factory=lambda: {"bare": 0, "expand": 0})
     tokens_by_depth: dict[int, int] = field(default_factory=dict)
+    returned: int = 0  # leaves priced Stage 2 gave back to Stage 1 (spent as root groups, counted "bare")
 
     @property
     def leaves_used(self) -> int:
@@ -182,27 +185,49 @@ def solve_roots(
     sizes = np.concatenate([[0], np.arange(min_group, cap + 1)])  # [S]
     gains = v_root(v[:, None], leaves_per_root * sizes[None, :])  # [P, S]
     gains = gains + (breadth + BREADTH_TIE_BREAK) * (sizes[None, :] > 0)
-    budget_idx = np.arange(n_roots + 1)  # [B]
-    prev = budget_idx[None, :] - sizes[:, None]  # [S, B] budget before adding this prompt
-    valid = prev >= 0
-    best = np.full(n_roots + 1, -np.inf)  # best[b]: max objective using exactly b rollouts so far
-    best[0] = 0.0
-    choice = np.zeros((len(v), n_roots + 1), dtype=np.int64)  # [P, B] index into sizes
-    for i in range(len(v)):
-        cand = np.where(valid, best[np.maximum(prev, 0)] + gains[i][:, None], -np.inf)  # [S, B]
-        choice[i] = cand.argmax(axis=0)
-        best = cand.max(axis=0)
-    if not np.isfinite(best[n_roots]):
+    counts = solve_counts(gains, sizes, n_roots)
+    if counts is None:
         raise BudgetError(
             f"cannot split {n_roots} root rollouts into groups of {min_group}..{cap} over {len(v)} "
             "prompts; change budget.leaves or allocator.max_per_prompt"
         )
-    counts = np.zeros(len(v), dtype=np.int64)
-    b = n_roots
-    for i in range(len(v) - 1, -1, -1):
+    return counts
+
+
+def solve_counts(gains: np.ndarray, sizes: np.ndarray, total: int) -> np.ndarray | None:
+    """The exact separable integer program behind Stage 1 and Knapsack RL: one size per item from
+    `sizes` [S] with the sizes summing to `total`, maximising sum gains[i, size index] ([P, S]), by
+    dynamic programming over the budget. None when no choice sums to `total`.
+
+    O(P * total * S) with one vectorised step per item. Ties give the later item the smaller size (the
+    backward pass decides the last item first, taking its smallest tied size), so the result is a
+    deterministic function of the input order."""
+    budget_idx = np.arange(total + 1)  # [B]
+    prev = budget_idx[None, :] - sizes[:, None]  # [S, B] budget before adding this item
+    valid = prev >= 0
+    best = np.full(total + 1, -np.inf)  # best[b]: max objective using exactly b so far
+    best[0] = 0.0
+    choice = np.zeros((len(gains), total + 1), dtype=np.int64)  # [P, B] index into sizes
+    for i in range(len(gains)):
+        cand = np.where(valid, best[np.maximum(prev, 0)] + gains[i][:, None], -np.inf)  # [S, B]
+        choice[i] = cand.argmax(axis=0)
+        best = cand.max(axis=0)
+    if not np.isfinite(best[total]):
+        return None
+    counts = np.zeros(len(gains), dtype=np.int64)
+    b = total
+    for i in range(len(gains) - 1, -1, -1):
         counts[i] = sizes[choice[i, b]]
         b -= counts[i]
     return counts
+
+
+def knapsack_value(v: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Knapsack RL's value of m rollouts of a prompt with success probability v (Li et al., "Knapsack RL",
+    ICML 2026): P(the group is mixed) times v (1 - v)^2, their measure of what one informative group
+    is worth to the gradient, which favours prompts the policy still mostly fails."""
+    v = np.asarray(v, dtype=np.float64)
+    return np.asarray(v_root(v, m) * v * (1.0 - v) ** 2, dtype=np.float64)
 
 
 def _check_root_budget(pool: int, n_roots: int, min_group: int, cap: int) -> None:
@@ -319,6 +344,36 @@ class ActiveRoots:
 
 
 @dataclass(frozen=True)
+class KnapsackRoots:
+    """Knapsack RL (Li et al., ICML 2026) on our predictions: `n_roots / group_size` prompts drawn
+    uniformly from the pool, as GRPO trains, each given `min_group` rollouts; the rest of the budget goes
+    where `knapsack_value` gains most (exact, `solve_counts`), at most `max_per_prompt` per prompt."""
+
+    group_size: int = 4
+    min_group: int = 2
+    max_per_prompt: int = 16
+
+    def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
+        chosen = rng.choice(
+            len(predicted), size=_n_groups(len(predicted), n_roots, self.group_size), replace=False
+        )
+        cap = min(self.max_per_prompt, n_roots)
+        if not 1 <= self.min_group <= self.group_size <= cap:
+            raise BudgetError(
+                f"allocator.min_group={self.min_group} <= group_size={self.group_size} <= max_per_prompt="
+                f"{self.max_per_prompt} must hold (the knapsack splits what GRPO would spend)"
+            )
+        v = np.clip(np.asarray(predicted, dtype=np.float64)[chosen], PROB_EPS, 1.0 - PROB_EPS)  # [G]
+        sizes = np.arange(self.min_group, cap + 1)  # [S]
+        gains = knapsack_value(v[:, None], sizes[None, :])  # [G, S]
+        picked = solve_counts(gains, sizes, n_roots)
+        assert picked is not None, "min_group <= group_size <= cap always admits a split"
+        counts = np.zeros(len(predicted), dtype=np.int64)
+        counts[chosen] = picked
+        return counts
+
+
+@dataclass(frozen=True)
 class RandomPrefixes:
     """TreePO / Tree-GRPO style: each continuation starts at a uniformly random candidate prefix."""
 
@@ -364,6 +419,9 @@ class TreeAllocator:
     roots: RootRule
     prefixes: PrefixRule | None = None
     expansion: int = 0
+    # The root rule while the predictor has no measured skill (selection.gate_skill): GRPO's equal groups.
+    closed: RootRule | None = None
+    pricing: Pricing | None = None  # Stage 2 priced in tokens (pricing.py) instead of m_i * N per prompt
 
     def __post_init__(self) -> None:
         if self.expansion < 0:
@@ -376,7 +434,24 @@ class TreeAllocator:
 
     def leaf_step(self) -> int:
         """The leaves this allocator can split budgets by: (1 + N) times the root rule's group size."""
-        return (1 + self.expansion) * int(getattr(self.roots, "group_size", 1))
+        group = max(int(getattr(rule, "group_size", 1)) for rule in (self.roots, self.closed) if rule)
+        return (1 + self.expansion) * group
+
+    def give_back(
+        self, predicted: np.ndarray, leaves: int, rng: np.random.Generator, steer: bool = True
+    ) -> np.ndarray:
+        """Bare rollouts [S] for candidates Stage 1 left out (`predicted` [S]), from `leaves` that priced
+        Stage 2 did not spend: Stage 1's rule again (the `closed` one while the gate is closed) on the
+        most of them, at most `leaves`, it can split over these candidates (zeros: none).
+
+        Example: closed rule groups of 4, 10 leaves -> 8 of them as two groups of 4."""
+        rule = self.roots if steer or self.closed is None else self.closed
+        for n in range(leaves, 0, -1):
+            try:  # the rules refuse a count they cannot split before they draw from `rng`
+                return rule(predicted, n, rng)
+            except BudgetError:
+                continue
+        return np.zeros(len(predicted), dtype=np.int64)
 
     def n_roots(self, budget: Budget) -> int:
         """M = L / (1 + N): bare rollouts, so that M (1 + N) leaves are spent in all."""
@@ -393,10 +468,12 @@ class TreeAllocator:
         budget: Budget,
         rng: np.random.Generator,
         reserved: np.ndarray | None = None,
+        steer: bool = True,
     ) -> np.ndarray:
         """Bare rollouts per candidate [P], summing to M. `reserved` [P] fixes some candidates' counts in
         advance (the unbiased slice, `selection.explore_groups`); the root rule splits the rest of M
-        over the other candidates.
+        over the other candidates. `steer=False` (the skill gate is closed): the `closed` rule instead,
+        where there is one.
 
         Example: M = 8, reserved [2, 0, 0, 2] -> the rule places 4 rollouts among candidates 1 and 2."""
         predicted, n_roots = np.asarray(predicted, dtype=np.float64), self.n_roots(budget)
@@ -409,7 +486,8 @@ class TreeAllocator:
         counts = fixed.astype(np.int64).copy()
         free, left = fixed == 0, n_roots - int(fixed.sum())
         if left:  # the slice may take the whole root budget: then there is nothing left to allocate
-            counts[free] = self.roots(predicted[free], left, rng)
+            rule = self.roots if steer or self.closed is None else self.closed
+            counts[free] = rule(predicted[free], left, rng)
         assert counts.sum() == n_roots, f"{self.name}: root rule broke the budget"
         return counts
 
@@ -441,16 +519,25 @@ def random_expand(group_size: int = 2, expansion: int = 2) -> TreeAllocator:
     )
 
 
+def knapsack(group_size: int = 4, min_group: int = 2, max_per_prompt: int = 16) -> TreeAllocator:
+    return TreeAllocator("knapsack", KnapsackRoots(group_size, min_group, max_per_prompt))
+
+
 def trace(
     expansion: int = 2,
     min_group: int = 2,
     max_per_prompt: int | None = 16,
     count_continuations: bool = False,
     breadth: float = 0.0,
+    group_size: int | None = None,
+    pricing: Pricing | None = None,
 ) -> TreeAllocator:
     """`count_continuations`: Stage 1 scores a prompt by V_root over all its m_i (1 + N) leaves instead
     of its m_i bare rollouts (our variant: continuations can make a root mixed too). `breadth`: an
-    objective bonus per trained prompt (see `solve_roots`)."""
+    objective bonus per trained prompt (see `solve_roots`). `group_size`: while the skill gate is closed,
+    Stage 1 is GRPO's groups of this size (None: the exact program on flat estimates). `pricing`: Stage 2
+    priced in tokens, its unspent continuations given back to Stage 1 (pricing.py; None: the spec's
+    m_i * N per prompt)."""
     if breadth < 0:
         raise BudgetError(f"allocator.breadth={breadth} must be >= 0 (0: the spec's objective)")
     per_root = 1 + expansion if count_continuations else 1
@@ -459,6 +546,8 @@ def trace(
         ActiveRoots(min_group, max_per_prompt, per_root, breadth),
         ActivePrefixes() if expansion else None,
         expansion,
+        closed=None if group_size is None else UniformRoots(group_size),
+        pricing=pricing if expansion else None,
     )
 
 

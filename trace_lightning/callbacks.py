@@ -50,7 +50,16 @@ def rollout_metrics(report: IterationReport) -> dict[str, float]:
         }
         | _tree_part(stats)
         | _engine_part(report)
+        | _flip_part(report)
     )
+
+
+def _flip_part(report: IterationReport) -> dict[str, float]:
+    """Priced Stage 2: continuations and flips by the depth of their start prefix."""
+    if report.flips is None:
+        return {}
+    out = {f"tree/continuations_depth_{d}": float(n) for d, n in enumerate(report.flips.continuations)}
+    return out | {f"tree/flips_depth_{d}": float(n) for d, n in enumerate(report.flips.flips)}
 
 
 def _engine_part(report: IterationReport) -> dict[str, float]:
@@ -89,6 +98,7 @@ def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, 
         "rollout/truncated_observations": float(c.truncated_observations),
         "rollout/budget_bound_turns": float(c.budget_bound_turns),
         "rollout/used_prior": float(report.used_prior),
+        "rollout/gate_open": float(report.steered),
     }
     out |= {f"rollout/stop/{_key_safe(r)}": float(n) for r, n in sorted(c.stop_reasons.items())}
     return out
@@ -110,6 +120,7 @@ def _generated(tree: RolloutTree, leaf: int) -> int:
 
 def _budget_part(ledger: BudgetLedger, engine: EngineStats | None) -> dict[str, float]:
     out = {"budget/leaves": float(ledger.leaves_used), "budget/leaves_unused": float(ledger.leaves_left())}
+    out["budget/leaves_returned"] = float(ledger.returned)
     out |= {f"budget/leaves_{stage}": float(n) for stage, n in ledger.leaves.items()}
     out["budget/tokens"] = float(ledger.tokens_used)
     out |= {f"budget/tokens_{stage}": float(n) for stage, n in ledger.tokens.items()}

@@ -36,12 +36,13 @@ from trace_lightning.allocation import (
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
-from trace_lightning.envs.base import Environment, split_tasks
+from trace_lightning.envs.base import Environment, HasAttributes, split_tasks
 from trace_lightning.evaluation import EvalResult, EvalSettings, score
 from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import Features, IterationScorer, refit
+from trace_lightning.pricing import FlipRates, Flips
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
 from trace_lightning.tree import SUCCESS, RolloutTree
@@ -79,6 +80,8 @@ class IterationReport:
     collect_seconds: float = 0.0
     optimizer_steps: int = 0  # optimizer steps this iteration trains (data.steps_per_iteration)
     micro_batches_per_step: int = 1  # the gradient accumulation of each of them
+    steered: bool = True  # the predictor steered Stage 1 (the skill gate was open, or there is none)
+    flips: Flips | None = None  # priced Stage 2: its continuations and flips by start depth
 
 
 class Learner(Protocol):
@@ -120,6 +123,7 @@ class _Plan:
     reserved: np.ndarray  # [P] the unbiased slice's rollouts
     calibration: PlattCalibration | None  # the map `predicted` went through (None: none)
     scored_at: float  # perf_counter() when the pool's scoring began
+    steer: bool  # the skill gate is open: Stage 1 follows the estimates (else the allocator's closed rule)
 
 
 class RolloutCollector:
@@ -165,6 +169,14 @@ class RolloutCollector:
         self.budget, self.pool_size, self.limits, self.batching = budget, pool_size, limits, batching
         self.prior, self.selection, self.predictor_fit = cold_start, selection, predictor_fit
         self.rng = np.random.default_rng(seed)
+        # priced Stage 2's flip rates and the roots' yield, learned online (pricing.py)
+        self.flips = FlipRates(allocator.pricing) if allocator.pricing is not None else None
+        # the tasks' attributes, coarse to fine, for the pooled estimates (selection.attributes)
+        self.attribute_keys: dict[int, tuple[str, ...]] = (
+            {t.task_id: tuple(env.attributes(t)) for t in env.tasks()}
+            if isinstance(env, HasAttributes)
+            else {}
+        )
         # The engine samples with torch's global RNG; the collector owns that stream between iterations
         # (restored before and saved after each one), so whatever else draws from the global RNG in
         # between (DataLoader seeds, a resume) cannot change what the next iteration samples.
@@ -230,6 +242,7 @@ class RolloutCollector:
             f"prompts, {result.ledger.tokens_used} tokens in {sample_seconds:.1f} s"
         )
         quality, refit_loss = self._observe(module, plan, result.trees, processes)
+        flips = self._price(result) if self.flips is not None else None
         batches, gaps, per_step = self._batches(local.trees, module, plan.pool, processes)
         mismatch_mean, mismatch_max = _mean_max(np.concatenate(processes.all_gather(gaps)))
         self.report = IterationReport(
@@ -252,6 +265,8 @@ class RolloutCollector:
             collect_seconds=time.perf_counter() - began,
             optimizer_steps=len(batches) // per_step,
             micro_batches_per_step=per_step,
+            steered=plan.steer,
+            flips=flips,
         )
         self.iteration += 1
         return batches
@@ -301,12 +316,16 @@ class RolloutCollector:
         if used_prior:  # the prior's estimates, not the head's: nothing to calibrate them with
             calibration = None
         predicted = calibration(raw) if calibration is not None else raw  # [P]
+        if self.selection.attributes and self.attribute_keys:  # what transfers between fresh prompts
+            predicted = self.selection.pooled_rates([self.attribute_keys[t] for t in pool_ids])
+        steer, _ = self.selection.gate()
         estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
-        if self.root_oracle is not None:
+        if self.root_oracle is not None:  # the instrument always steers: it is the ceiling, not gated
             estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
+            steer = True
         reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
         plan = _Plan(
-            pool_ids, pool, used_prior, score, raw, predicted, estimates, reserved, calibration, began
+            pool_ids, pool, used_prior, score, raw, predicted, estimates, reserved, calibration, began, steer
         )
         return plan, sync_seconds
 
@@ -326,6 +345,8 @@ class RolloutCollector:
             processes.shard(plan.estimates, self.rng),
             plan.estimates,
             plan.reserved,
+            plan.steer,
+            self.flips,
         )
         self._sampling_rng = torch.get_rng_state()
         for tree, v in zip(plan.pool, plan.predicted, strict=True):  # gauges judge the predictor's output
@@ -339,15 +360,25 @@ class RolloutCollector:
         """Learn from the iteration's outcomes: the selection's record (and the predictor's quality on
         the unbiased slice), the calibration, the predictor's refit and the cold-start prior."""
         slice_ids = {t for t, r in zip(plan.pool_ids, plan.reserved, strict=True) if r}
+        if not plan.steer and self.allocator.closed is not None:  # closed: every group was drawn uniformly
+            slice_ids = {t.task_id for t in trees}
         quality = self.selection.observe(self.iteration, trees, plan.predicted, slice_ids)
         if plan.calibration is not None:
             self._calibrate(plan.calibration, dict(zip(plan.pool_ids, plan.raw, strict=True)), trees)
         refit_loss = self._refit(module.scorer, plan.pool, trees, plan.score.features, processes)
+        if self.selection.attributes and self.attribute_keys:
+            self.selection.pool_outcomes(trees, self.attribute_keys)
         self.prior.step()
         for tree in trees:
             wins = bare_outcomes(tree)
             self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
         return quality, refit_loss
+
+    def _price(self, result: Iteration) -> Flips:
+        """Teach priced Stage 2 what this iteration's continuations and roots earned (`FlipRates`)."""
+        assert self.flips is not None
+        mixed = sum(len(w) >= 2 and 0 < w.sum() < len(w) for w in (bare_outcomes(t) for t in result.trees))
+        return self.flips.observe(result.trees, int(mixed), result.ledger.tokens["bare"])
 
     def evaluate(
         self, module: Learner, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
@@ -484,6 +515,7 @@ class RolloutCollector:
             "selection": self.selection.state_dict(),
             "predictor_fit": self.predictor_fit.state_dict() if self.predictor_fit is not None else None,
             "spent": self._spent,
+            "flips": self.flips.state_dict() if self.flips is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -497,6 +529,8 @@ class RolloutCollector:
             self.predictor_fit.load_state_dict(state["predictor_fit"])
         spent = state.get("spent")  # absent in checkpoints written before budget.unit=tokens
         self._spent = None if spent is None else (int(spent[0]), int(spent[1]), bool(spent[2]))
+        if self.flips is not None and state.get("flips") is not None:  # absent before priced Stage 2
+            self.flips.load_state_dict(state["flips"])
 
 
 def _root_predictions(pool: list[RolloutTree], score: IterationScorer, processes: Processes) -> np.ndarray:

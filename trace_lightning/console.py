@@ -125,6 +125,14 @@ class IterationSummary:
     sync_seconds: float
     train_seconds: float
     optimizer_steps: int = 0  # optimizer steps trained on this iteration's batches
+    prompts: int = 0  # prompts trained (trees)
+    steered: bool = True  # the predictor steered Stage 1 (the skill gate was open, or there is none)
+    gate_skill: float | None = (
+        None  # the estimates' windowed Brier skill on the unbiased slice (None: too few)
+    )
+    returned_leaves: int = 0  # leaves priced Stage 2 gave back to Stage 1 as root groups
+    continuations_by_depth: tuple[int, ...] = ()  # priced Stage 2: continuations by start depth
+    flips_by_depth: tuple[int, ...] = ()  # ... and those that ended with the other outcome
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,17 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
         sync_seconds=report.sync_seconds,
         train_seconds=train_seconds,
         optimizer_steps=report.optimizer_steps,
+        prompts=len(trees),
+        steered=report.steered,
+        gate_skill=_finite(report.root_quality.gate_skill) if report.root_quality is not None else None,
+        returned_leaves=report.result.ledger.returned,
+        continuations_by_depth=report.flips.continuations if report.flips is not None else (),
+        flips_by_depth=report.flips.flips if report.flips is not None else (),
     )
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 MAX_ROWS = 12  # a longer run shows its first and last iterations, so the summary stays one screen

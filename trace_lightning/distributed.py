@@ -76,15 +76,19 @@ class Processes:
         """The iteration as a whole: every process's trees, spending and counters."""
         if self.world == 1:
             return local, counters
-        parts = self.all_gather((local.trees, local.ledger, counters))
+        parts = self.all_gather((local.trees, local.ledger, counters, local.root_counts))
         ledger = BudgetLedger(budget)
         total = RolloutCounters()
-        for _, part_ledger, part_counters in parts:
+        for _, part_ledger, part_counters, _ in parts:
             for stage in ledger.leaves:
                 ledger.leaves[stage] += part_ledger.leaves[stage]
                 ledger.tokens[stage] += part_ledger.tokens[stage]
+            ledger.returned += part_ledger.returned
             for depth, n in part_ledger.tokens_by_depth.items():
                 ledger.tokens_by_depth[depth] = ledger.tokens_by_depth.get(depth, 0) + n
             total.merge(part_counters)
-        trees = [t for part_trees, _, _ in parts for t in part_trees]
-        return Iteration(trees, ledger, local.pool_predicted, local.root_counts), total
+        trees = [t for part_trees, _, _, _ in parts for t in part_trees]
+        # Stage 1's counts are the same everywhere; priced Stage 2 gives leaves back over disjoint
+        # candidates per process (iteration.build_trees), so the largest count of each is the whole's
+        root_counts = np.max(np.stack([counts for _, _, _, counts in parts]), axis=0)
+        return Iteration(trees, ledger, local.pool_predicted, root_counts), total

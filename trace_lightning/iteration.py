@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from trace_lightning.allocation import Budget, BudgetLedger, PrefixCandidate, TreeAllocator
+from trace_lightning.pricing import FlipRates, fill_best, solve_priced
 from trace_lightning.tree import RolloutTree, Stage, backup
 
 
@@ -89,6 +90,8 @@ def build_trees(
     shard: Shard | None = None,
     root_scores: np.ndarray | None = None,
     reserved: np.ndarray | None = None,
+    steer: bool = True,
+    rates: FlipRates | None = None,
 ) -> Iteration:
     """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`.
 
@@ -96,6 +99,9 @@ def build_trees(
     `score` at every root; `reserved` [P] fixes some candidates' bare counts (the unbiased slice).
     With a `shard`, the root counts cover the whole pool (and sum to the global budget) but only the
     owned prompts are rolled out; the returned trees and ledger are this process's part.
+    `steer=False`: the skill gate is closed and Stage 1 uses the allocator's `closed` rule. With the
+    allocator's `pricing`, Stage 2 is priced on `rates` (required then) and what it does not spend
+    becomes more root groups on candidates Stage 1 left out (`_expand_priced`).
     """
     ledger = BudgetLedger(budget)
     if shard is not None:
@@ -104,7 +110,7 @@ def build_trees(
         predicted = _checked([np.asarray(root_scores, dtype=np.float64)], "roots")[0]
     else:
         predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
-    counts = allocator.allocate_roots(predicted, budget, rng, reserved)
+    counts = allocator.allocate_roots(predicted, budget, rng, reserved, steer)
     for tree, v in zip(pool, predicted, strict=True):
         tree.root.predicted = float(v)
     owner = np.zeros(len(pool), dtype=np.int64) if shard is None else balance(counts, shard.world)
@@ -113,7 +119,19 @@ def build_trees(
     local_rng = rng if shard is None else shard.rng
     ledger.reserve_leaves(int(active_counts.sum()), "bare")
     run([Branch(t, 0, int(m), "bare") for t, m in zip(trees, active_counts, strict=True)], ledger, local_rng)
-    if allocator.expansion > 0:
+    if allocator.expansion > 0 and allocator.pricing is not None:
+        if rates is None:
+            raise ValueError(f"allocator {allocator.name} prices Stage 2 and needs the run's FlipRates")
+        spare = [
+            i for i, m in enumerate(counts) if m == 0 and (shard is None or i % shard.world == shard.rank)
+        ]
+        back = _expand_priced(
+            trees, pool, spare, predicted[spare], allocator, rates, run, ledger, local_rng, steer
+        )
+        counts = counts.copy()
+        counts[spare] = back  # the rollouts Stage 2 gave back count as bare rollouts of their prompts
+        trees = trees + [pool[i] for i, m in zip(spare, back, strict=True) if m]
+    elif allocator.expansion > 0:
         _expand(trees, active_counts, allocator, score, run, ledger, local_rng)
     return Iteration(trees, ledger, predicted, counts)
 
@@ -148,6 +166,49 @@ def _expand(
         branches += [Branch(tree, c.node_id, int(k), "expand") for c, k in zip(cands, ks, strict=True) if k]
     ledger.reserve_leaves(sum(b.count for b in branches), "expand")
     run(branches, ledger, rng)
+
+
+def _expand_priced(
+    trees: list[RolloutTree],
+    pool: Sequence[RolloutTree],
+    spare: list[int],
+    spare_predicted: np.ndarray,
+    allocator: TreeAllocator,
+    rates: FlipRates,
+    run: EpisodeRunner,
+    ledger: BudgetLedger,
+    rng: np.random.Generator,
+    steer: bool,
+) -> np.ndarray:
+    """Stage 2 priced in tokens over the whole iteration (pricing.py): of the m * N continuations the
+    budget holds, those whose expected flips beat what their tokens earn as roots run; the rest go back
+    to Stage 1 (`TreeAllocator.give_back`) over the `spare` pool candidates it left out, in the same
+    pass. Leaves that Stage 1 cannot split go to the best remaining prefixes. Bare rollouts per spare
+    candidate [S]."""
+    budget = sum(len(t.leaves()) for t in trees) * allocator.expansion
+    cands = [(t, c) for t in trees for c in rates.candidates(t)]
+    flip = np.array([c.flip for _, c in cands], dtype=np.float64)  # [C]
+    tokens = np.array([c.tokens for _, c in cands], dtype=np.float64)  # [C]
+    for t, c in cands:
+        t.nodes[c.node_id].predicted = 1.0 - c.flip if c.bucket[1] else c.flip  # V̂ the price implies
+    rate = rates.root_rate()
+    counts = solve_priced(flip, tokens, budget, rate)  # [C]
+    back = allocator.give_back(spare_predicted, budget - int(counts.sum()), rng, steer)  # [S]
+    left = budget - int(counts.sum()) - int(back.sum())
+    if left and cands:
+        counts, left = fill_best(flip, tokens, counts, left, rate), 0
+    if left and back.sum():  # no prefix to take them: the last group given back grows
+        back[np.flatnonzero(back)[-1]] += left
+        left = 0
+    branches = [Branch(t, c.node_id, int(k), "expand") for (t, c), k in zip(cands, counts, strict=True) if k]
+    if left:  # no prefix and no spare candidate: more rollouts of the first prompt, as `_expand` does
+        branches.append(Branch(trees[0], 0, left, "expand"))
+    ledger.reserve_leaves(sum(b.count for b in branches), "expand")
+    ledger.reserve_leaves(int(back.sum()), "bare")
+    ledger.returned += int(back.sum())
+    roots = [Branch(pool[i], 0, int(m), "bare") for i, m in zip(spare, back, strict=True) if m]
+    run(branches + roots, ledger, rng)
+    return back
 
 
 def _checked(scores: list[np.ndarray], what: str) -> list[np.ndarray]:

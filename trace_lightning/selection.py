@@ -79,6 +79,12 @@ class Selection:
     outcomes: list[tuple[int, float, float]] = field(default_factory=list)  # (it, successes, rollouts), all
 
     order: list[int] = field(default_factory=list)  # epoch_pools: the current pass, not yet drawn
+    # Pooled success rates by the task's attributes (an environment's `attributes(task)`, coarse to fine):
+    # on fresh prompts, where no per-prompt record exists, they are what transfers between prompts.
+    attributes: bool = False  # Stage 1's estimates are the pooled rates where the env has attributes
+    attribute_strength: float = 4.0  # pseudo-rollouts a level's rate is shrunk towards its parent's with
+    attribute_decay: float = 0.8  # every pooled count is multiplied by this once per iteration
+    pooled: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)  # key -> (wins, n)
 
     def __post_init__(self) -> None:
         if self.predictor_strength < 0 or self.gate_window < 1 or self.visit_window < 1:
@@ -100,6 +106,11 @@ class Selection:
             raise ValueError(
                 "selection.gate_skill needs outcomes the predictor did not choose: set "
                 "selection.explore_groups > 0, or selection.gate_skill=null"
+            )
+        if self.attribute_strength <= 0 or not 0.0 < self.attribute_decay <= 1.0:
+            raise ValueError(
+                f"selection.attribute_strength={self.attribute_strength} must be > 0 and selection."
+                f"attribute_decay={self.attribute_decay} in (0, 1]"
             )
         if self.max_visits is not None and self.max_visits < 1:
             raise ValueError(f"selection.max_visits={self.max_visits} must be >= 1, or null for no cap")
@@ -172,6 +183,32 @@ class Selection:
         k = self.predictor_strength if steer else 0.0
         return rng.beta(prior.alpha + s + k * predicted, prior.beta + f + k * (1.0 - predicted))
 
+    def pooled_rates(self, keys: Sequence[tuple[str, ...]]) -> np.ndarray:
+        """Each task's success estimate from the pooled bare outcomes of tasks that share its attributes
+        [P]: the rate of all tasks, then of those sharing the first attribute, the first two, ...,
+        each level's rate shrunk towards its parent's by `attribute_strength` pseudo-rollouts.
+
+        Example: all tasks 6 of 10, key ("steps=1",) 9 of 10, strength 4: root (6 + 2) / 14 = 0.571
+        (itself shrunk towards 0.5), then (9 + 4 * 0.571) / 14 = 0.806."""
+        out = np.empty(len(keys))
+        for i, key in enumerate(keys):
+            rate = 0.5
+            for depth in range(len(key) + 1):
+                wins, n = self.pooled.get(tuple(key[:depth]), (0.0, 0.0))
+                rate = (wins + self.attribute_strength * rate) / (n + self.attribute_strength)
+            out[i] = rate
+        return out
+
+    def pool_outcomes(self, trees: Sequence[RolloutTree], keys: dict[int, tuple[str, ...]]) -> None:
+        """Fade the pooled counts, then add every tree's bare outcomes at each level of its key."""
+        d = self.attribute_decay
+        self.pooled = {k: (w * d, n * d) for k, (w, n) in self.pooled.items()}
+        for tree in trees:
+            outcomes, key = bare_outcomes(tree), keys.get(tree.task_id, ())
+            for depth in range(len(key) + 1):
+                wins, n = self.pooled.get(tuple(key[:depth]), (0.0, 0.0))
+                self.pooled[tuple(key[:depth])] = (wins + float(outcomes.sum()), n + float(len(outcomes)))
+
     # ------------------------------------------------------------------ after the rollouts
 
     def base_rate(self) -> float:
@@ -218,6 +255,7 @@ class Selection:
             "history": [list(h) for h in self.history],
             "outcomes": [list(o) for o in self.outcomes],
             "order": list(self.order),
+            "pooled": [[list(k), w, n] for k, (w, n) in self.pooled.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,3 +266,4 @@ class Selection:
         self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in rows]  # type: ignore[misc]
         self.outcomes = [(int(i), float(s), float(n)) for i, s, n in state.get("outcomes", [])]
         self.order = [int(t) for t in state["order"]]
+        self.pooled = {tuple(str(x) for x in k): (float(w), float(n)) for k, w, n in state.get("pooled", [])}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -52,6 +52,19 @@ class Environment(Protocol):
     def initial_state(self, task: Task) -> Any: ...
 
     def step(self, task: Task, state: Any, action_text: str) -> Transition: ...
+
+
+@runtime_checkable
+class HasAttributes(Protocol):
+    """Optional: attributes of a task that carry over between prompts, ordered coarse to fine.
+
+    E.g. ("steps=2", "hard_ops=1", "magnitude=3") for a generated math problem: pooled success
+    statistics group tasks by the first attribute, then by the first two, and so on. An environment
+    without the method gets no attributes (the trainer then relies on the text predictor); a task
+    whose attributes cannot be read gets `()`.
+    """
+
+    def attributes(self, task: Task) -> tuple[str, ...]: ...
 
 
 def split_tasks(task_ids: Sequence[int], held_out: int, seed: int) -> tuple[set[int], set[int]]:

@@ -16,6 +16,7 @@ import operator
 import random
 import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Literal
 
@@ -138,6 +139,83 @@ def generate_problems(n: int, difficulty: int = 1, seed: int = 0) -> list[tuple[
     )
 
 
+# each level of a mixture draws from its own stream: seed + stride * level (an int difficulty keeps `seed`)
+_LEVEL_SEED_STRIDE = 1_000_003
+
+
+def generate_mixed_problems(
+    n: int, difficulties: Sequence[int], weights: Sequence[float] | None = None, seed: int = 0
+) -> list[tuple[str, str]]:
+    """`n` problems drawn from several difficulty levels, as (question, gold), in a seeded order.
+
+    Level `d` gets a share of `n` proportional to its weight (equal by default), rounded by largest
+    remainder with ties to the earlier levels: n=10 over [1, 2, 3] gives 4, 3, 3. Each share is
+    `generate_problems(share, d, seed + _LEVEL_SEED_STRIDE * d)`; the levels are then interleaved by
+    `random.Random(seed).shuffle`. A level-d question has exactly d steps, so levels never share one.
+    """
+    levels = [_level(d) for d in difficulties]
+    if not levels:
+        raise ValueError("env.difficulty=[] names no level: give an int 1-5 or a list such as [1, 2, 3]")
+    if len(set(levels)) < len(levels):
+        raise ValueError(
+            f"env.difficulty={levels} repeats a level: list each once, weight it with env.difficulty_weights"
+        )
+    shares = _shares(n, _weights(weights, len(levels)))
+    problems: list[tuple[str, str]] = []
+    for level, share in zip(levels, shares, strict=True):
+        if share == 0:
+            raise ValueError(
+                f"env.n_tasks={n} leaves difficulty {level} no task (shares {shares} over "
+                f"env.difficulty={levels}): raise env.n_tasks or its env.difficulty_weights"
+            )
+        problems += generate_problems(share, level, seed + _LEVEL_SEED_STRIDE * level)
+    if len({question for question, _ in problems}) < n:  # guards a future _LEVELS with equal step counts
+        raise ValueError(
+            f"env.difficulty={levels}: two levels generated the same question; mix levels of distinct steps"
+        )
+    random.Random(seed).shuffle(problems)
+    return problems
+
+
+def _level(difficulty: object) -> int:
+    try:
+        level = operator.index(difficulty)  # ints (and numpy ints); refuses 1.5 and "2"
+    except TypeError:
+        raise ValueError(f"env.difficulty: levels are ints {sorted(_LEVELS)}, got {difficulty!r}") from None
+    if level not in _LEVELS:
+        raise ValueError(f"env.difficulty levels must be among {sorted(_LEVELS)}, got {level}")
+    return level
+
+
+def _weights(weights: Sequence[float] | None, n_levels: int) -> list[float]:
+    if weights is None:
+        return [1.0] * n_levels
+    try:
+        values = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise ValueError(f"env.difficulty_weights={weights!r} must be a list of numbers > 0") from None
+    if len(values) != n_levels:
+        raise ValueError(
+            f"env.difficulty_weights has {len(values)} weights for {n_levels} levels: "
+            "give one per env.difficulty level"
+        )
+    if not all(math.isfinite(w) and w > 0 for w in values):
+        raise ValueError(
+            f"env.difficulty_weights={values} must all be > 0: drop a level from env.difficulty instead"
+        )
+    return values
+
+
+def _shares(n: int, weights: Sequence[float]) -> list[int]:
+    """Largest-remainder split of `n` by `weights`, ties to earlier levels: 10 by [1, 1, 1] -> [4, 3, 3]."""
+    quotas = [n * w / sum(weights) for w in weights]
+    shares = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
+    for i in by_remainder[: n - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
 def _problem(rng: random.Random, difficulty: int) -> tuple[str, str]:
     steps, (low, high), (k_low, k_high), ops = _LEVELS[difficulty]
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
@@ -194,6 +272,33 @@ def generated_steps(question: str) -> tuple[str, list[tuple[str, str]]] | None:
                 steps.append((op, m.group(1)))
                 break
     return start.group(1), steps
+
+
+def generated_attributes(question: str, gold: str) -> tuple[str, ...]:
+    """("steps=N", "hard_ops=K", "magnitude=D") of a generated problem, coarse to fine; () for other text.
+
+    N counts the operations, K those that are * or /, D the digits of the gold answer: "Tom has 12 apples.
+    Then Tom buys 7 more. How many apples does Tom have now?" with gold "19" -> ("steps=1", "hard_ops=0",
+    "magnitude=2"). A GSM8K question can begin like a generated one ("John has 3 boxes."), so the text
+    counts as generated only when every middle sentence is a step and the steps replay to the gold.
+    """
+    read = generated_steps(question)
+    if read is None or question.count(". ") != len(read[1]) + 1:
+        return ()
+    start, steps = read
+    try:
+        value, target = Fraction(start), Fraction(gold)
+        for op, number in steps:
+            value = _REPLAY[op](value, Fraction(number))
+    except (ValueError, ZeroDivisionError):
+        return ()
+    if value != target or value.denominator != 1:
+        return ()
+    hard = sum(op in "*/" for op, _ in steps)
+    return f"steps={len(steps)}", f"hard_ops={hard}", f"magnitude={len(str(abs(value.numerator)))}"
+
+
+_REPLAY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def strip_annotations(solution: str) -> str:
@@ -274,11 +379,12 @@ class MathToolEnv:
         source: Literal["generated", "gsm8k"] = "generated",
         gsm8k_path: str | None = None,
         n_tasks: int = 256,
-        difficulty: int = 1,
+        difficulty: int | Sequence[int] = 1,
         seed: int = 0,
         python_tool: bool = False,
         sandbox: SandboxLimits | None = None,
         held_out: int = 16,
+        difficulty_weights: Sequence[float] | None = None,
     ) -> None:
         # `env.sandbox` (the config always has one) only matters with env.python_tool=true
         if sandbox is not None and not isinstance(sandbox, SandboxLimits):
@@ -293,7 +399,7 @@ class MathToolEnv:
         if n_tasks < 1:
             raise ValueError(f"env.n_tasks must be >= 1, got {n_tasks}")
         if source == "generated":
-            problems = generate_problems(n_tasks, difficulty=difficulty, seed=seed)
+            problems = _generated(n_tasks, difficulty, difficulty_weights, seed)
         elif source == "gsm8k":
             problems = load_gsm8k(gsm8k_path, n_tasks)
         else:
@@ -305,6 +411,11 @@ class MathToolEnv:
 
     def tasks(self) -> Sequence[Task]:
         return self._tasks
+
+    def attributes(self, task: Task) -> tuple[str, ...]:
+        """Steps, multiplications and divisions, and answer digits, coarse to fine (`HasAttributes`);
+        () for a GSM8K task. See `generated_attributes`."""
+        return generated_attributes(task.question, task.answer[0])
 
     def initial_state(self, task: Task) -> tuple[int]:
         return (0,)
@@ -358,6 +469,21 @@ class MathToolEnv:
         result = run_python(code, self._sandbox)
         observation = format_observation(result)
         return Transition(observation, False, None, None, calls, tool="python", tool_error=not result.ok)
+
+
+def _generated(
+    n: int, difficulty: int | Sequence[int], weights: Sequence[float] | None, seed: int
+) -> list[tuple[str, str]]:
+    # an int keeps the single-level stream bit for bit (tests and warm starts depend on it); Hydra hands
+    # a list over as a ListConfig, any Sequence of ints is a mixture
+    if isinstance(difficulty, Sequence) and not isinstance(difficulty, str):
+        return generate_mixed_problems(n, list(difficulty), weights, seed)
+    if weights is not None:
+        raise ValueError(
+            f"env.difficulty_weights={list(weights)} needs a list env.difficulty (e.g. [1, 2, 3]); "
+            f"with env.difficulty={difficulty} set it to null"
+        )
+    return generate_problems(n, difficulty=_level(difficulty), seed=seed)
 
 
 def _observe(text: str) -> str:

@@ -1,0 +1,223 @@
+"""Stage 2 priced in tokens, the gate that closes to GRPO, Knapsack RL's allocator and the pooled
+attribute estimates. Every expected value is derived here from the formulas, by hand or by brute force."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_lightning import allocation as alloc
+from trace_lightning.envs.synthetic import make_tasks
+from trace_lightning.iteration import build_trees
+from trace_lightning.pricing import FlipRates, Pricing, continuation_outcomes, solve_priced
+from trace_lightning.selection import Selection
+from trace_lightning.simulator import ChainSimulator, oracle_scores
+from trace_lightning.tree import RolloutTree
+
+TASKS = {t.task_id: t for t in make_tasks(300, turns=4, seed=1)}
+
+
+def _objective(k, f, t, rate):
+    """sum_c [1 - (1 - f_c)^k_c] - rate * sum_c k_c t_c, written from the definition."""
+    return sum(1 - (1 - fc) ** kc for kc, fc in zip(k, f, strict=True)) - rate * sum(
+        kc * tc for kc, tc in zip(k, t, strict=True)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
+    t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
+    budget=st.integers(0, 4),
+    rate=st.floats(0.0, 0.1),
+)
+def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate):
+    t = t[: len(f)]
+    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate)
+    assert k.sum() <= budget and (k >= 0).all()
+    best = max(
+        _objective(c, f, t, rate)
+        for c in itertools.product(range(budget + 1), repeat=len(f))
+        if sum(c) <= budget
+    )
+    assert _objective(k, f, t, rate) == pytest.approx(best, abs=1e-9)
+
+
+def test_solve_priced_by_hand():
+    # nets at candidate 0: 0.5 - 0.02*10 = 0.3, then 0.25 - 0.2 = 0.05, then 0.125 - 0.2 < 0;
+    # candidate 1 never flips: 0 - 0.04 < 0
+    assert solve_priced(np.array([0.5, 0.0]), np.array([10.0, 2.0]), 3, 0.02).tolist() == [2, 0]
+    # no measured exchange rate yet: the whole budget goes by flip probability
+    assert solve_priced(np.array([0.5, 0.1]), np.array([10.0, 2.0]), 3, None).tolist() == [
+        3,
+        0,
+    ]  # 0.125 > 0.1
+
+
+def _hand_tree():
+    """Bare A: n1 (5 tokens) -> n2 (4) -> n3 (3) wins; bare B: n4 -> n5 loses; a continuation from n1
+    (n6 -> n7) loses: a flip with 2 turns left; one from n2 (n8) wins: no flip, 1 turn left."""
+    t = RolloutTree(0)
+    n1 = t.add_turn(0, "bare", [1] * 5, [])
+    n2 = t.add_turn(n1, "bare", [1] * 4, [])
+    n3 = t.add_turn(n2, "bare", [1] * 3, [])
+    t.finish(n3, 1.0, "answer")
+    n4 = t.add_turn(0, "bare", [1], [])
+    n5 = t.add_turn(n4, "bare", [1], [])
+    t.finish(n5, 0.0, "answer")
+    n6 = t.add_turn(n1, "expand", [1], [])
+    n7 = t.add_turn(n6, "expand", [1], [])
+    t.finish(n7, 0.0, "answer")
+    n8 = t.add_turn(n2, "expand", [1], [])
+    t.finish(n8, 1.0, "answer")
+    return t
+
+
+def test_continuation_outcomes_and_flip_rates_by_hand():
+    tree = _hand_tree()
+    assert continuation_outcomes(tree) == [(1, 2, True, True), (2, 1, True, False)]
+    rates = FlipRates(Pricing(flip_prior=0.2, prior_strength=2.0, decay=0.5))
+    flips = rates.observe([tree], groups_mixed=1, bare_tokens=14)
+    assert flips.continuations == (0, 1, 1) and flips.flips == (0, 1, 0)  # by start depth
+    # pooled: (1 flip + 2 * 0.2) / (2 tries + 2) = 0.35; bucket (2, won): (1 + 2 * 0.35) / (1 + 2)
+    assert rates.rate((2, True)) == pytest.approx(1.7 / 3)
+    assert rates.rate((1, True)) == pytest.approx(0.7 / 3)
+    assert rates.root_rate() == pytest.approx(1 / 14)
+    rates.observe([], 0, 0)  # a second iteration fades every count by the decay
+    assert rates.counts[(2, True)] == (0.5, 0.5) and rates.roots == (0.5, 7.0)
+
+
+def test_candidates_cost_what_their_bare_rollout_generated_after_them():
+    rates = FlipRates(Pricing())
+    cands = {c.node_id: c for c in rates.candidates(_hand_tree())}
+    assert set(cands) == {1, 2, 4}  # non-leaf turns of bare rollouts only
+    assert (cands[1].tokens, cands[1].bucket) == (4 + 3, (2, True))
+    assert (cands[2].tokens, cands[2].bucket) == (3, (1, True))
+    assert (cands[4].tokens, cands[4].bucket) == (1, (1, False))
+
+
+def _trace_run(rates, seed, steer, leaves=24, pool=16):
+    rng = np.random.default_rng(seed)
+    trees = [RolloutTree(int(i)) for i in rng.choice(len(TASKS), size=pool, replace=False)]
+    allocator = alloc.trace(2, group_size=4, pricing=Pricing())
+    return build_trees(
+        trees,
+        allocator,
+        alloc.Budget(leaves),
+        lambda t, n: oracle_scores(TASKS, t, n),
+        ChainSimulator(TASKS),
+        rng,
+        steer=steer,
+        rates=rates,
+    )
+
+
+def _no_flips() -> FlipRates:
+    """A table that has measured no flip in any bucket, and roots that earn."""
+    rates = FlipRates(Pricing())
+    rates.counts = {(d, won): (0.0, 1000.0) for d in (1, 2, 3) for won in (False, True)}
+    rates.roots = (10.0, 100.0)
+    return rates
+
+
+def test_a_closed_gate_with_nothing_worth_a_continuation_is_grpo():
+    """Groups of exactly 4 on leaves / 4 prompts, no continuation, every candidate equally likely."""
+    chosen = np.zeros(16)
+    for seed in range(300):
+        it = _trace_run(_no_flips(), seed, steer=False)
+        sizes = sorted(int(m) for m in it.root_counts if m)
+        assert sizes == [4] * 6 and it.ledger.leaves == {"bare": 24, "expand": 0}
+        assert it.ledger.returned == 16  # M (1 + N) = 24: Stage 2's 16 leaves went back as roots
+        chosen += it.root_counts > 0
+    share = chosen / 300  # GRPO: 6 of 16 candidates, 0.375 each (SE about 0.028 over 300 draws)
+    assert np.abs(share - 6 / 16).max() < 0.1
+
+
+def test_priced_stage2_spends_only_where_flips_pay_and_returns_the_rest():
+    rates = _no_flips()
+    for won in (False, True):
+        rates.counts[(3, won)] = (500.0, 1000.0)  # only prefixes with 3+ turns left ever flip
+    it = _trace_run(rates, seed=3, steer=True)
+    assert it.ledger.leaves_used == 24
+    starts = [
+        (t, n) for t in it.trees for n in t.nodes if n.stage == "expand" and t.nodes[n.parent].stage == "bare"
+    ]
+    assert starts  # depth-1 prefixes of 4-turn rollouts have 3 turns left: worth it
+    for tree, node in starts:
+        parent = tree.nodes[node.parent]
+        bare_leaf = next(
+            x for x in tree.leaves() if tree.nodes[x].stage == "bare" and node.parent in tree.path(x)
+        )
+        assert tree.nodes[bare_leaf].depth - parent.depth >= 3
+    assert it.ledger.leaves["expand"] + it.ledger.returned == 16
+
+
+def test_a_priced_allocator_needs_the_flip_rates():
+    with pytest.raises(ValueError, match="FlipRates"):
+        _trace_run(None, seed=0, steer=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    gains=st.lists(st.lists(st.floats(0, 1), min_size=3, max_size=3), min_size=1, max_size=4),
+    total=st.integers(0, 12),
+)
+def test_solve_counts_is_the_brute_force_optimum(gains, total):
+    sizes = np.array([0, 2, 3])
+    got = alloc.solve_counts(np.array(gains), sizes, total)
+    feasible = [c for c in itertools.product(range(3), repeat=len(gains)) if sizes[list(c)].sum() == total]
+    if not feasible:
+        assert got is None
+        return
+    best = max(sum(gains[i][c[i]] for i in range(len(gains))) for c in feasible)
+    index = {0: 0, 2: 1, 3: 2}
+    assert sum(gains[i][index[int(m)]] for i, m in enumerate(got)) == pytest.approx(best)
+
+
+def test_knapsack_value_by_hand():
+    # v = 0.5, m = 2: P(mixed) = 1 - 0.25 - 0.25 = 0.5, times 0.5 * 0.25
+    assert alloc.knapsack_value(np.array(0.5), np.array(2)) == pytest.approx(0.0625)
+    # v = 0.2, m = 3: 1 - 0.008 - 0.512 = 0.48, times 0.2 * 0.64
+    assert alloc.knapsack_value(np.array(0.2), np.array(3)) == pytest.approx(0.48 * 0.128)
+
+
+def test_knapsack_spends_grpos_prompts_with_at_least_two_each_by_brute_force():
+    v = np.array([0.5, 0.02, 0.3, 0.9, 0.6, 0.1])
+    counts = alloc.knapsack(group_size=4, min_group=2, max_per_prompt=8).allocate_roots(
+        v, alloc.Budget(12), np.random.default_rng(0)
+    )
+    chosen = np.flatnonzero(counts)
+    assert len(chosen) == 3 and counts.sum() == 12 and counts[chosen].min() >= 2
+
+    def value(vi, m):  # P(mixed) * v (1 - v)^2, from the definition
+        return (1 - vi**m - (1 - vi) ** m) * vi * (1 - vi) ** 2
+
+    best = max(
+        sum(value(v[i], m) for i, m in zip(chosen, ms, strict=True))
+        for ms in itertools.product(range(2, 9), repeat=3)
+        if sum(ms) == 12
+    )
+    assert sum(value(v[i], counts[i]) for i in chosen) == pytest.approx(best)
+
+
+def test_pooled_rates_by_hand():
+    sel = Selection(attributes=True, attribute_strength=4.0)
+    sel.pooled = {(): (6.0, 10.0), ("steps=1",): (9.0, 10.0)}
+    root = (6 + 4 * 0.5) / 14  # all tasks, shrunk towards 0.5
+    got = sel.pooled_rates([("steps=1",), ("steps=3",)])
+    assert got[0] == pytest.approx((9 + 4 * root) / 14)
+    assert got[1] == pytest.approx(root)  # no record at this level: the parent's rate
+
+
+def test_pooled_outcomes_count_every_level_and_fade():
+    sel = Selection(attributes=True, attribute_decay=0.5)
+    tree = _hand_tree()  # two bare rollouts: one win, one loss
+    sel.pool_outcomes([tree], {0: ("steps=2", "hard_ops=1")})
+    assert sel.pooled == {(): (1.0, 2.0), ("steps=2",): (1.0, 2.0), ("steps=2", "hard_ops=1"): (1.0, 2.0)}
+    sel.pool_outcomes([], {})
+    assert sel.pooled[()] == (0.5, 1.0)
+    restored = Selection(attributes=True)
+    restored.load_state_dict(sel.state_dict())
+    assert restored.pooled == sel.pooled

@@ -1,0 +1,205 @@
+"""Stage 2 priced in generated tokens (docs/algorithm.md#stage-2-priced-in-tokens; our design).
+
+The spec's Stage 2 spends a fixed m_i * N continuations per prompt wherever the predictor's V̂ says a
+flip is likeliest. On a real model that spent about half of the continuations where the outcome was
+already decided (the last turn of a math_tool episode copies the calculator's result), and each of them
+cost tokens that more root rollouts could have used. Priced, each continuation must earn its tokens:
+
+  * a candidate prefix c of a bare rollout with outcome r costs t_c tokens: what that rollout generated
+    after c (known exactly once the bare rollouts are done);
+  * its flip probability f_c (P(a continuation from c ends with the other outcome)) comes from flip
+    rates measured online, by the number of turns the bare rollout still had after c and by r
+    (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate);
+  * the k-th continuation at c adds f_c (1 - f_c)^(k-1) expected mixed anchors (the spec's V_pref gain);
+  * the exchange rate is what roots earn: mixed root groups per bare token, measured on this and recent
+    iterations (`FlipRates.root_rate`), so a continuation's t_c tokens could have earned rate * t_c.
+
+`solve_priced` takes the continuations whose expected flips beat what their tokens earn as roots; every
+continuation it does not take goes back to Stage 1 as more root groups (iteration.py). A decided
+prefix, whose measured flip rate is near 0, gets nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trace_lightning.tree import SUCCESS, RolloutTree
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How Stage 2 prices continuations (`allocator.pricing`): the prior of the flip-rate table.
+
+    Before any measurement every bucket believes `flip_prior`, worth `prior_strength` continuations; each
+    iteration multiplies every count by `decay`, so the table follows a policy that changes."""
+
+    flip_prior: float = 0.2
+    prior_strength: float = 2.0
+    decay: float = 0.8
+    max_turns_left: int = 3  # buckets: 1, 2, ..., max_turns_left or more turns left after the prefix
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.flip_prior < 1.0 or self.prior_strength <= 0:
+            raise ValueError(
+                f"allocator.pricing.flip_prior={self.flip_prior} must be in (0, 1) and prior_strength="
+                f"{self.prior_strength} > 0"
+            )
+        if not 0.0 < self.decay <= 1.0 or self.max_turns_left < 1:
+            raise ValueError(
+                f"allocator.pricing.decay={self.decay} must be in (0, 1] and max_turns_left="
+                f"{self.max_turns_left} >= 1"
+            )
+
+
+Bucket = tuple[int, bool]  # (turns the bare rollout had left after the prefix, capped; its success)
+
+
+@dataclass(frozen=True)
+class PricedCandidate:
+    """A prefix where a continuation may start, with what it costs and what it is expected to earn."""
+
+    node_id: int
+    bucket: Bucket
+    tokens: int  # what the bare rollout generated after this prefix: a continuation's expected cost
+    flip: float  # estimated P(a continuation ends with the other outcome)
+
+
+@dataclass(frozen=True)
+class Flips:
+    """What one iteration's continuations did: per depth of their start prefix (index = depth)."""
+
+    continuations: tuple[int, ...]
+    flips: tuple[int, ...]
+
+
+@dataclass
+class FlipRates:
+    """Online flip rates per bucket and the roots' exchange rate; the collector owns and checkpoints it."""
+
+    pricing: Pricing = field(default_factory=Pricing)
+    counts: dict[Bucket, tuple[float, float]] = field(default_factory=dict)  # bucket -> (flips, tries)
+    roots: tuple[float, float] = (0.0, 0.0)  # decayed (mixed root groups, bare tokens)
+
+    def rate(self, bucket: Bucket) -> float:
+        """Posterior mean flip rate of a bucket: its counts, shrunk towards the pooled rate of all
+        buckets, which is itself shrunk towards `flip_prior`."""
+        p = self.pricing
+        flips, tries = (sum(c[i] for c in self.counts.values()) for i in (0, 1))
+        pooled = (flips + p.prior_strength * p.flip_prior) / (tries + p.prior_strength)
+        f, n = self.counts.get(bucket, (0.0, 0.0))
+        return (f + p.prior_strength * pooled) / (n + p.prior_strength)
+
+    def root_rate(self) -> float | None:
+        """Mixed root groups per bare token (None before any bare token was seen)."""
+        mixed, tokens = self.roots
+        return mixed / tokens if tokens > 0 else None
+
+    def bucket(self, turns_left: int, success: bool) -> Bucket:
+        return (min(max(turns_left, 1), self.pricing.max_turns_left), bool(success))
+
+    def candidates(self, tree: RolloutTree) -> list[PricedCandidate]:
+        """The non-leaf turn prefixes of a tree's bare rollouts, priced."""
+        out = []
+        for leaf in tree.leaves():
+            if tree.nodes[leaf].stage != "bare":
+                continue
+            path, won = tree.path(leaf), float(tree.nodes[leaf].reward or 0.0) >= SUCCESS
+            after = np.cumsum([len(tree.nodes[n].action_ids) for n in path][::-1])[
+                ::-1
+            ]  # [T] tokens from n on
+            for i, n in enumerate(path[:-1]):
+                bucket = self.bucket(len(path) - 1 - i, won)
+                out.append(PricedCandidate(n, bucket, max(int(after[i + 1]), 1), self.rate(bucket)))
+        return out
+
+    def observe(self, trees: Sequence[RolloutTree], groups_mixed: int, bare_tokens: int) -> Flips:
+        """Fade the old counts, then count this iteration's continuations (a flip: the continuation's
+        outcome differs from the bare rollout through its start prefix) and the roots' yield."""
+        d = self.pricing.decay
+        self.counts = {b: (f * d, n * d) for b, (f, n) in self.counts.items()}
+        self.roots = (self.roots[0] * d + groups_mixed, self.roots[1] * d + bare_tokens)
+        by_depth: dict[int, list[int]] = {}
+        for tree in trees:
+            for start, turns_left, won, flipped in continuation_outcomes(tree):
+                b = self.bucket(turns_left, won)
+                f, n = self.counts.get(b, (0.0, 0.0))
+                self.counts[b] = (f + flipped, n + 1.0)
+                row = by_depth.setdefault(tree.nodes[start].depth, [0, 0])
+                row[0], row[1] = row[0] + 1, row[1] + int(flipped)
+        depth = max(by_depth, default=0)
+        return Flips(
+            tuple(by_depth.get(i, [0, 0])[0] for i in range(depth + 1)),
+            tuple(by_depth.get(i, [0, 0])[1] for i in range(depth + 1)),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": [[t, s, f, n] for (t, s), (f, n) in self.counts.items()], "roots": list(self.roots)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = {(int(t), bool(s)): (float(f), float(n)) for t, s, f, n in state["counts"]}
+        self.roots = (float(state["roots"][0]), float(state["roots"][1]))
+
+
+def continuation_outcomes(tree: RolloutTree) -> list[tuple[int, int, bool, bool]]:
+    """(start prefix, turns the bare rollout had left after it, the bare outcome, whether the continuation
+    flipped it) for every continuation that starts at a turn prefix of a bare rollout."""
+    bare_leaf: dict[int, int] = {}  # bare prefix -> the one bare leaf below it
+    for leaf in tree.leaves():
+        if tree.nodes[leaf].stage == "bare":
+            for n in tree.path(leaf):
+                bare_leaf[n] = leaf
+    out = []
+    for leaf in tree.leaves():
+        node = tree.nodes[leaf]
+        if node.stage != "expand":
+            continue
+        first = next(n for n in tree.path(leaf) if tree.nodes[n].stage == "expand")
+        start = tree.nodes[first].parent
+        if start is None or start not in bare_leaf:  # a continuation from the prompt itself
+            continue
+        bare = tree.nodes[bare_leaf[start]]
+        won, cont_won = float(bare.reward or 0.0) >= SUCCESS, float(node.reward or 0.0) >= SUCCESS
+        out.append((start, bare.depth - tree.nodes[start].depth, won, won != cont_won))
+    return out
+
+
+def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None) -> np.ndarray:
+    """Continuations per candidate [C], at most `budget` in all, maximising
+        sum_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
+    the expected flips (mixed anchors) minus what the same tokens earn as root groups (`rate`: mixed
+    anchors per token; None before any measurement: 0). The k-th continuation at c nets
+    f_c (1 - f_c)^(k-1) - rate t_c, which falls with k, so taking the best positive net value while the
+    budget lasts is exact. Ties go to the lower index.
+
+    Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.02 -> [2, 0] (nets 0.3, then 0.05 at
+    candidate 0, then -0.075; candidate 1 never flips)."""
+    counts = np.zeros(len(flip), dtype=np.int64)
+    price = 0.0 if rate is None else rate
+    heap = [(-(float(f) - price * float(t)), c) for c, (f, t) in enumerate(zip(flip, tokens, strict=True))]
+    heapq.heapify(heap)
+    while heap and counts.sum() < budget:
+        net, c = heapq.heappop(heap)
+        if -net <= 0.0:
+            break
+        counts[c] += 1
+        f = float(flip[c])
+        heapq.heappush(heap, (-(f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
+    return counts
+
+
+def fill_best(
+    flip: np.ndarray, tokens: np.ndarray, counts: np.ndarray, extra: int, rate: float | None
+) -> np.ndarray:
+    """`extra` more continuations on top of `counts`, each at the best remaining net value even when it
+    is negative (leaves that cannot form a whole root group must still be spent)."""
+    counts = counts.copy()
+    price = 0.0 if rate is None else rate
+    for _ in range(extra):
+        net = flip * (1.0 - flip) ** counts - price * tokens  # [C]
+        counts[int(np.argmax(net))] += 1
+    return counts
