@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from trace_lightning import allocation as alloc
 from trace_lightning.envs.synthetic import make_tasks
 from trace_lightning.iteration import build_trees
-from trace_lightning.pricing import FlipRates, Pricing, continuation_outcomes, solve_priced
+from trace_lightning.pricing import (
+    FlipRates,
+    Pricing,
+    continuation_outcomes,
+    fill_best,
+    signal_leaves,
+    solve_priced,
+)
 from trace_lightning.selection import Selection
 from trace_lightning.simulator import ChainSimulator, oracle_scores
 from trace_lightning.tree import RolloutTree
@@ -20,8 +27,9 @@ TASKS = {t.task_id: t for t in make_tasks(300, turns=4, seed=1)}
 
 
 def _objective(k, f, t, rate):
-    """sum_c [1 - (1 - f_c)^k_c] - rate * sum_c k_c t_c, written from the definition."""
-    return sum(1 - (1 - fc) ** kc for kc, fc in zip(k, f, strict=True)) - rate * sum(
+    """2 * sum_c [1 - (1 - f_c)^k_c] - rate * sum_c k_c t_c, written from the definition (a flip is
+    worth two leaves with a signal)."""
+    return 2 * sum(1 - (1 - fc) ** kc for kc, fc in zip(k, f, strict=True)) - rate * sum(
         kc * tc for kc, tc in zip(k, t, strict=True)
     )
 
@@ -31,7 +39,7 @@ def _objective(k, f, t, rate):
     f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
     t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
     budget=st.integers(0, 4),
-    rate=st.floats(0.0, 0.1),
+    rate=st.floats(0.0, 0.2),
 )
 def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate):
     t = t[: len(f)]
@@ -46,9 +54,9 @@ def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate):
 
 
 def test_solve_priced_by_hand():
-    # nets at candidate 0: 0.5 - 0.02*10 = 0.3, then 0.25 - 0.2 = 0.05, then 0.125 - 0.2 < 0;
-    # candidate 1 never flips: 0 - 0.04 < 0
-    assert solve_priced(np.array([0.5, 0.0]), np.array([10.0, 2.0]), 3, 0.02).tolist() == [2, 0]
+    # nets at candidate 0: 2 * 0.5 - 0.04 * 10 = 0.6, then 2 * 0.25 - 0.4 = 0.1, then 0.25 - 0.4 < 0;
+    # candidate 1 never flips: 0 - 0.08 < 0
+    assert solve_priced(np.array([0.5, 0.0]), np.array([10.0, 2.0]), 3, 0.04).tolist() == [2, 0]
     # no measured exchange rate yet: the whole budget goes by flip probability
     assert solve_priced(np.array([0.5, 0.1]), np.array([10.0, 2.0]), 3, None).tolist() == [
         3,
@@ -79,14 +87,41 @@ def test_continuation_outcomes_and_flip_rates_by_hand():
     tree = _hand_tree()
     assert continuation_outcomes(tree) == [(1, 2, True, True), (2, 1, True, False)]
     rates = FlipRates(Pricing(flip_prior=0.2, prior_strength=2.0, decay=0.5))
-    flips = rates.observe([tree], groups_mixed=1, bare_tokens=14)
+    flips = rates.observe([tree], signal_leaves=2, bare_tokens=14)
     assert flips.continuations == (0, 1, 1) and flips.flips == (0, 1, 0)  # by start depth
     # pooled: (1 flip + 2 * 0.2) / (2 tries + 2) = 0.35; bucket (2, won): (1 + 2 * 0.35) / (1 + 2)
     assert rates.rate((2, True)) == pytest.approx(1.7 / 3)
     assert rates.rate((1, True)) == pytest.approx(0.7 / 3)
-    assert rates.root_rate() == pytest.approx(1 / 14)
+    assert rates.posterior((2, True)) == pytest.approx((1 + 2 * 0.35, 0 + 2 * 0.65))
+    assert rates.root_rate() == pytest.approx(2 / 14)
+    assert rates.root_rate(signal=4, tokens=26) == pytest.approx(6 / 40)  # with this iteration's roots
     rates.observe([], 0, 0)  # a second iteration fades every count by the decay
-    assert rates.counts[(2, True)] == (0.5, 0.5) and rates.roots == (0.5, 7.0)
+    assert rates.counts[(2, True)] == (0.5, 0.5) and rates.roots == (1.0, 7.0)
+
+
+def test_signal_leaves_count_the_bare_rollouts_of_mixed_groups():
+    lost = RolloutTree(1)
+    for _ in range(3):
+        leaf = lost.add_turn(0, "bare", [1], [])
+        lost.finish(leaf, 0.0, "answer")
+    assert signal_leaves([_hand_tree(), lost]) == 2  # one win and one loss; three losses earn nothing
+
+
+def test_thompson_draws_follow_the_posterior():
+    rates = FlipRates(Pricing())
+    rates.counts = {(1, True): (0.0, 400.0), (2, True): (200.0, 400.0)}
+    draws = [rates.draw(np.random.default_rng(s)) for s in range(200)]
+    never = np.array([d[(1, True)] for d in draws])
+    half = np.array([d[(2, True)] for d in draws])
+    assert never.max() < 0.02 and abs(half.mean() - 0.5) < 0.02  # Beta(a, b) with a, b from the counts
+    unseen = np.array([d[(3, False)] for d in draws])  # no counts: the pooled prior, wide
+    assert unseen.std() > 0.05
+
+
+def test_fill_best_spends_every_extra_leaf_at_the_best_net():
+    # nets: 2 * 0.5 - 0.1 * 10 = 0 and 2 * 0.2 - 0.1 * 2 = 0.2, then 2 * 0.16 - 0.2 = 0.12
+    got = fill_best(np.array([0.5, 0.2]), np.array([10.0, 2.0]), np.array([0, 0]), 2, 0.1)
+    assert got.tolist() == [0, 2]
 
 
 def test_candidates_cost_what_their_bare_rollout_generated_after_them():

@@ -42,7 +42,7 @@ from trace_lightning.iteration import Branch, Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import Features, IterationScorer, refit
-from trace_lightning.pricing import FlipRates, Flips
+from trace_lightning.pricing import FlipRates, Flips, signal_leaves
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection, bare_outcomes
 from trace_lightning.tree import SUCCESS, RolloutTree
@@ -377,8 +377,7 @@ class RolloutCollector:
     def _price(self, result: Iteration) -> Flips:
         """Teach priced Stage 2 what this iteration's continuations and roots earned (`FlipRates`)."""
         assert self.flips is not None
-        mixed = sum(len(w) >= 2 and 0 < w.sum() < len(w) for w in (bare_outcomes(t) for t in result.trees))
-        return self.flips.observe(result.trees, int(mixed), result.ledger.tokens["bare"])
+        return self.flips.observe(result.trees, signal_leaves(result.trees), result.ledger.tokens["bare"])
 
     def evaluate(
         self, module: Learner, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from trace_lightning.allocation import Budget, BudgetLedger, PrefixCandidate, TreeAllocator
-from trace_lightning.pricing import FlipRates, fill_best, solve_priced
+from trace_lightning.pricing import FlipRates, fill_best, signal_leaves, solve_priced
 from trace_lightning.tree import RolloutTree, Stage, backup
 
 
@@ -186,12 +186,13 @@ def _expand_priced(
     pass. Leaves that Stage 1 cannot split go to the best remaining prefixes. Bare rollouts per spare
     candidate [S]."""
     budget = sum(len(t.leaves()) for t in trees) * allocator.expansion
-    cands = [(t, c) for t in trees for c in rates.candidates(t)]
+    drawn = rates.draw(rng)  # one flip rate per bucket for this iteration (Thompson sampling)
+    cands = [(t, c) for t in trees for c in rates.candidates(t, drawn)]
     flip = np.array([c.flip for _, c in cands], dtype=np.float64)  # [C]
     tokens = np.array([c.tokens for _, c in cands], dtype=np.float64)  # [C]
     for t, c in cands:
         t.nodes[c.node_id].predicted = 1.0 - c.flip if c.bucket[1] else c.flip  # V̂ the price implies
-    rate = rates.root_rate()
+    rate = rates.root_rate(signal_leaves(trees), ledger.tokens["bare"])  # with this iteration's roots
     counts = solve_priced(flip, tokens, budget, rate)  # [C]
     back = allocator.give_back(spare_predicted, budget - int(counts.sum()), rng, steer)  # [S]
     left = budget - int(counts.sum()) - int(back.sum())

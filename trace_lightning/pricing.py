@@ -9,12 +9,17 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
     after c (known exactly once the bare rollouts are done);
   * its flip probability f_c (P(a continuation from c ends with the other outcome)) comes from flip
     rates measured online, by the number of turns the bare rollout still had after c and by r
-    (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate);
-  * the k-th continuation at c adds f_c (1 - f_c)^(k-1) expected mixed anchors (the spec's V_pref gain);
-  * the exchange rate is what roots earn: mixed root groups per bare token, measured on this and recent
-    iterations (`FlipRates.root_rate`), so a continuation's t_c tokens could have earned rate * t_c.
+    (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate), drawn once per bucket and
+    iteration from their posterior (Thompson sampling), so a bucket with little evidence is still tried
+    now and then while one measured never to flip is not;
+  * both sides are counted in leaves that carry a learning signal: the k-th continuation at c adds
+    f_c (1 - f_c)^(k-1) flips (the spec's V_pref gain), each worth `FLIP_WORTH` = 2 leaves (the
+    continuation and the bare rollout it contrasts with); a root group earns its leaves when mixed;
+  * the exchange rate is what roots earn: leaves of mixed bare groups per bare token, on this
+    iteration's bare rollouts and the decayed record of earlier ones (`FlipRates.root_rate`), so a
+    continuation's t_c tokens could have earned rate * t_c.
 
-`solve_priced` takes the continuations whose expected flips beat what their tokens earn as roots; every
+`solve_priced` takes the continuations whose expected worth beats what their tokens earn as roots; every
 continuation it does not take goes back to Stage 1 as more root groups (iteration.py). A decided
 prefix, whose measured flip rate is near 0, gets nothing.
 """
@@ -38,8 +43,8 @@ class Pricing:
     Before any measurement every bucket believes `flip_prior`, worth `prior_strength` continuations; each
     iteration multiplies every count by `decay`, so the table follows a policy that changes."""
 
-    flip_prior: float = 0.2
-    prior_strength: float = 2.0
+    flip_prior: float = 0.1
+    prior_strength: float = 4.0
     decay: float = 0.8
     max_turns_left: int = 3  # buckets: 1, 2, ..., max_turns_left or more turns left after the prefix
 
@@ -83,27 +88,41 @@ class FlipRates:
 
     pricing: Pricing = field(default_factory=Pricing)
     counts: dict[Bucket, tuple[float, float]] = field(default_factory=dict)  # bucket -> (flips, tries)
-    roots: tuple[float, float] = (0.0, 0.0)  # decayed (mixed root groups, bare tokens)
+    roots: tuple[float, float] = (0.0, 0.0)  # decayed (leaves of mixed bare groups, bare tokens)
 
-    def rate(self, bucket: Bucket) -> float:
-        """Posterior mean flip rate of a bucket: its counts, shrunk towards the pooled rate of all
-        buckets, which is itself shrunk towards `flip_prior`."""
+    def posterior(self, bucket: Bucket) -> tuple[float, float]:
+        """Beta(a, b) of a bucket's flip rate: its counts, with a prior of `prior_strength` continuations
+        at the pooled rate of all buckets, which is itself shrunk towards `flip_prior`."""
         p = self.pricing
         flips, tries = (sum(c[i] for c in self.counts.values()) for i in (0, 1))
         pooled = (flips + p.prior_strength * p.flip_prior) / (tries + p.prior_strength)
         f, n = self.counts.get(bucket, (0.0, 0.0))
-        return (f + p.prior_strength * pooled) / (n + p.prior_strength)
+        return f + p.prior_strength * pooled, n - f + p.prior_strength * (1.0 - pooled)
 
-    def root_rate(self) -> float | None:
-        """Mixed root groups per bare token (None before any bare token was seen)."""
-        mixed, tokens = self.roots
-        return mixed / tokens if tokens > 0 else None
+    def rate(self, bucket: Bucket) -> float:
+        """Posterior mean flip rate of a bucket."""
+        a, b = self.posterior(bucket)
+        return a / (a + b)
+
+    def draw(self, rng: np.random.Generator) -> dict[Bucket, float]:
+        """One posterior sample of every bucket's flip rate (Thompson sampling), in a fixed bucket order."""
+        buckets = [(t, won) for t in range(1, self.pricing.max_turns_left + 1) for won in (False, True)]
+        return {b: float(rng.beta(*self.posterior(b))) for b in buckets}
+
+    def root_rate(self, signal: float = 0.0, tokens: float = 0.0) -> float | None:
+        """Leaves of mixed bare groups per bare token, over the decayed record and `signal` such leaves in
+        `tokens` more bare tokens (this iteration's so far); None before any bare token was seen."""
+        total = self.roots[1] + tokens
+        return (self.roots[0] + signal) / total if total > 0 else None
 
     def bucket(self, turns_left: int, success: bool) -> Bucket:
         return (min(max(turns_left, 1), self.pricing.max_turns_left), bool(success))
 
-    def candidates(self, tree: RolloutTree) -> list[PricedCandidate]:
-        """The non-leaf turn prefixes of a tree's bare rollouts, priced."""
+    def candidates(
+        self, tree: RolloutTree, flips: dict[Bucket, float] | None = None
+    ) -> list[PricedCandidate]:
+        """The non-leaf turn prefixes of a tree's bare rollouts, priced at `flips` (one rate per bucket,
+        e.g. a `draw`; None: the posterior means)."""
         out = []
         for leaf in tree.leaves():
             if tree.nodes[leaf].stage != "bare":
@@ -114,15 +133,16 @@ class FlipRates:
             ]  # [T] tokens from n on
             for i, n in enumerate(path[:-1]):
                 bucket = self.bucket(len(path) - 1 - i, won)
-                out.append(PricedCandidate(n, bucket, max(int(after[i + 1]), 1), self.rate(bucket)))
+                flip = self.rate(bucket) if flips is None else flips[bucket]
+                out.append(PricedCandidate(n, bucket, max(int(after[i + 1]), 1), flip))
         return out
 
-    def observe(self, trees: Sequence[RolloutTree], groups_mixed: int, bare_tokens: int) -> Flips:
+    def observe(self, trees: Sequence[RolloutTree], signal_leaves: int, bare_tokens: int) -> Flips:
         """Fade the old counts, then count this iteration's continuations (a flip: the continuation's
         outcome differs from the bare rollout through its start prefix) and the roots' yield."""
         d = self.pricing.decay
         self.counts = {b: (f * d, n * d) for b, (f, n) in self.counts.items()}
-        self.roots = (self.roots[0] * d + groups_mixed, self.roots[1] * d + bare_tokens)
+        self.roots = (self.roots[0] * d + signal_leaves, self.roots[1] * d + bare_tokens)
         by_depth: dict[int, list[int]] = {}
         for tree in trees:
             for start, turns_left, won, flipped in continuation_outcomes(tree):
@@ -168,19 +188,40 @@ def continuation_outcomes(tree: RolloutTree) -> list[tuple[int, int, bool, bool]
     return out
 
 
+# A flip is worth two leaves with a learning signal: the continuation and the bare rollout it contrasts
+# with (one if that rollout's group was mixed already, all of the group's and one more if it was not).
+FLIP_WORTH = 2.0
+
+
+def signal_leaves(trees: Sequence[RolloutTree]) -> int:
+    """Bare rollouts in mixed bare groups: what root groups earned, in the unit `solve_priced` prices."""
+    out = 0
+    for tree in trees:
+        won = [
+            float(tree.nodes[x].reward or 0.0) >= SUCCESS
+            for x in tree.leaves()
+            if tree.nodes[x].stage == "bare"
+        ]
+        out += len(won) if 0 < sum(won) < len(won) else 0
+    return out
+
+
 def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None) -> np.ndarray:
     """Continuations per candidate [C], at most `budget` in all, maximising
-        sum_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
-    the expected flips (mixed anchors) minus what the same tokens earn as root groups (`rate`: mixed
-    anchors per token; None before any measurement: 0). The k-th continuation at c nets
-    f_c (1 - f_c)^(k-1) - rate t_c, which falls with k, so taking the best positive net value while the
-    budget lasts is exact. Ties go to the lower index.
+        FLIP_WORTH * sum_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
+    the leaves with a learning signal that flips create minus what the same tokens earn as root groups
+    (`rate`: such leaves per token; None before any measurement: 0). The k-th continuation at c nets
+    FLIP_WORTH f_c (1 - f_c)^(k-1) - rate t_c, which falls with k, so taking the best positive net
+    value while the budget lasts is exact. Ties go to the lower index.
 
-    Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.02 -> [2, 0] (nets 0.3, then 0.05 at
-    candidate 0, then -0.075; candidate 1 never flips)."""
+    Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.04 -> [2, 0] (nets 1 - 0.4 = 0.6, then
+    0.1 at candidate 0, then 0.25 - 0.4 < 0; candidate 1 never flips)."""
     counts = np.zeros(len(flip), dtype=np.int64)
     price = 0.0 if rate is None else rate
-    heap = [(-(float(f) - price * float(t)), c) for c, (f, t) in enumerate(zip(flip, tokens, strict=True))]
+    heap = [
+        (-(FLIP_WORTH * float(f) - price * float(t)), c)
+        for c, (f, t) in enumerate(zip(flip, tokens, strict=True))
+    ]
     heapq.heapify(heap)
     while heap and counts.sum() < budget:
         net, c = heapq.heappop(heap)
@@ -188,7 +229,7 @@ def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float 
             break
         counts[c] += 1
         f = float(flip[c])
-        heapq.heappush(heap, (-(f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
+        heapq.heappush(heap, (-(FLIP_WORTH * f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
     return counts
 
 
@@ -200,6 +241,6 @@ def fill_best(
     counts = counts.copy()
     price = 0.0 if rate is None else rate
     for _ in range(extra):
-        net = flip * (1.0 - flip) ** counts - price * tokens  # [C]
+        net = FLIP_WORTH * flip * (1.0 - flip) ** counts - price * tokens  # [C]
         counts[int(np.argmax(net))] += 1
     return counts
