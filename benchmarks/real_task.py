@@ -1,10 +1,13 @@
 """The default job, measured: SmolLM2-135M-Instruct from its math_tool warm start, trained by the
-product's own command (`python -m trace_lightning.trainer`, vLLM engine), and TRACE against GRPO on it.
+product's own command (`python -m trace_lightning.trainer`, vLLM engine), and TRACE against its
+baselines on it at an equal sampling cost.
 
     make run                                       # builds the warm start once (outputs/warm_start/...)
     python benchmarks/real_task.py default         # the default job: benchmarks/results/default_job.json
     python benchmarks/real_task.py default --extra trainer.max_epochs=32 --out /tmp/twice.json
-    python benchmarks/real_task.py compare --seeds 0,1,2   # trace vs uniform: results/real_learning.json
+    python benchmarks/real_task.py pilot --tasks mixed      # room for allocation: results/real_pilot_mixed.json
+    python benchmarks/real_task.py compare --tasks mixed --methods grpo,trace --seeds 0,1,2 --tokens 1500 \
+        --extra eval.every_n_iterations=8          # results/real_learning.json, tasks.mixed
 
 Every run is one trainer process with the overrides printed in the JSON, timed from start to exit
 (`trainer_seconds`: engine start-up and the held-out evaluations included). The figures come from the
@@ -12,11 +15,13 @@ run's own `summary.json` (console.RunSummary): the held-out learning curve (gree
 200 problems the warm start never saw), its change since the start paired by problem, and each
 iteration's mixed roots, mixed prefixes, leaves, generated tokens and optimizer steps.
 
-`compare` runs the default job (`allocator=trace advantage=tree_grpo`) and `allocator=uniform
-advantage=grpo` (GRPO: 12 problems x 4 episodes) at the same leaves, the same optimizer steps
-(`data.steps_per_iteration`), the same seeds and the same warm start; trace's seed 0 is the default
-job's own run where `default` already made it in the same `--work` folder. With `--probe N` the
-first method's second seed also runs the predictor's Monte Carlo probe every N iterations
+`compare` runs every method of a task (`TASKS`: the mixed-difficulty task, where allocation has room,
+and difficulty 2 alone, the control) from the task's warm start, with the same seeds, the same
+optimizer steps (`data.steps_per_iteration`) and the same budget of generated tokens per iteration
+(`budget.unit=tokens`: each method's leaves follow what its own leaves cost, at most `--max-leaves`).
+Each finished run is kept in `benchmarks/results/real_task_runs/` (commit it as it lands): a later call
+reads it back instead of running it again, so the comparison completes in parts, across sessions.
+With `--probe N` trace's second seed also runs the predictor's Monte Carlo probe every N iterations
 (`callbacks=probe`), outside the budget: it trains nothing.
 """
 
@@ -42,16 +47,20 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
 }
 
 
-def train(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+RUNS = RESULTS / "real_task_runs"  # compare's finished runs, committed as they land: it resumes from them
+
+
+def train(overrides: list[str], run_dir: Path, keep: Path | None = None) -> dict[str, Any]:
     """One trainer process; its summary record plus the command and its wall time. A run this work
-    folder already finished with the same command is read back, not run again (`compare` reuses the
-    default job's run as trace's first seed)."""
+    folder (or `keep`, where `compare` keeps its records) already finished with the same command is
+    read back, not run again."""
     command = [sys.executable, "-m", "trace_lightning.trainer", *overrides]
     shown = " ".join(["python", *command[1:]])
     done = run_dir.with_suffix(".run.json")
-    if done.is_file() and json.loads(done.read_text())["command"] == shown:
-        print("reused:", shown, flush=True)
-        return json.loads(done.read_text())
+    for path in (done, keep / done.name if keep is not None else None):
+        if path is not None and path.is_file() and json.loads(path.read_text())["command"] == shown:
+            print("reused:", shown, flush=True)
+            return json.loads(path.read_text())
     print("$", shown, flush=True)
     began = time.perf_counter()
     with open(run_dir.with_suffix(".console.log"), "w") as console:
@@ -60,6 +69,9 @@ def train(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     record = json.loads((run_dir / "summary.json").read_text())
     record = {"command": shown, "trainer_seconds": time.perf_counter() - began} | record
     done.write_text(json.dumps(record) + "\n")
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / done.name).write_text(json.dumps(record) + "\n")
     return record
 
 
@@ -171,13 +183,13 @@ def compare(args: argparse.Namespace) -> None:
                     *args.extra,
                 ]
                 name = f"{task}_{m}_seed{seed}"
-                path, done = Path(args.work) / name, Path(args.work) / f"{name}.run.json"
+                path, kept = Path(args.work) / name, RUNS / f"{name}.run.json"
                 if args.only and name not in args.only.split(","):
-                    if not done.is_file():
+                    if not kept.is_file():
                         continue
-                    runs.setdefault(m, {})[str(seed)] = json.loads(done.read_text())  # an earlier part's
+                    runs.setdefault(m, {})[str(seed)] = json.loads(kept.read_text())  # an earlier part's
                 else:
-                    runs.setdefault(m, {})[str(seed)] = train(overrides, path)
+                    runs.setdefault(m, {})[str(seed)] = train(overrides, path, keep=RUNS)
                 record.setdefault("tasks", {})[task] = task_report(spec, runs, seeds, args)
                 record["seconds_this_part"] = time.perf_counter() - began
                 write(out_path, record)
