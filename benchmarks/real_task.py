@@ -164,6 +164,7 @@ def compare(args: argparse.Namespace) -> None:
     record = json.loads(out_path.read_text()) if out_path.is_file() else {}
     budget = ["budget.unit=tokens", f"budget.max_tokens={args.tokens}", f"budget.leaves={args.max_leaves}"]
     began = time.perf_counter()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     for task in tasks:
         spec, runs = TASKS[task], {}
         methods = args.methods.split(",") if args.methods else spec["methods"]
