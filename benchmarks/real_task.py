@@ -168,8 +168,8 @@ def compare(args: argparse.Namespace) -> None:
     for task in tasks:
         spec, runs = TASKS[task], {}
         methods = args.methods.split(",") if args.methods else spec["methods"]
-        for seed in seeds:
-            for m in methods:
+        for seed in seeds:  # the task's other methods are read back where kept, so the report has them all
+            for m in dict.fromkeys([*methods, *spec["methods"]]):
                 probe = bool(args.probe) and m == "trace" and seed == seeds[min(1, len(seeds) - 1)]
                 overrides = [
                     f"model.warm_start={spec['warm_start']}",
@@ -185,7 +185,7 @@ def compare(args: argparse.Namespace) -> None:
                 ]
                 name = f"{task}_{m}_seed{seed}"
                 path, kept = Path(args.work) / name, RUNS / f"{name}.run.json"
-                if args.only and name not in args.only.split(","):
+                if m not in methods or (args.only and name not in args.only.split(",")):
                     if not kept.is_file():
                         continue
                     runs.setdefault(m, {})[str(seed)] = json.loads(kept.read_text())  # an earlier part's
