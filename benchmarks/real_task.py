@@ -5,7 +5,7 @@ baselines on it at an equal sampling cost.
     make run                                       # builds the warm start once (outputs/warm_start/...)
     python benchmarks/real_task.py default         # the default job: benchmarks/results/default_job.json
     python benchmarks/real_task.py default --extra trainer.max_epochs=32 --out /tmp/twice.json
-    python benchmarks/real_task.py pilot --tasks mixed      # room for allocation: results/real_pilot_mixed.json
+    python benchmarks/real_task.py pilot --tasks mixed     # its room: results/real_pilot_mixed.json
     python benchmarks/real_task.py compare --tasks mixed --methods grpo,trace --seeds 0,1,2 --tokens 1500 \
         --extra eval.every_n_iterations=8          # results/real_learning.json, tasks.mixed
 
