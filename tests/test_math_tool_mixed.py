@@ -97,7 +97,11 @@ def test_the_shipped_mixed_config_composes_and_instantiates(tmp_path):
         cfg = compose("train", overrides=[f"run_dir={tmp_path}", "env=math_tool_mixed", "env.n_tasks=60"])
     GlobalHydra.instance().clear()
     # everything but the levels comes from math_tool.yaml through `defaults`
-    assert cfg.env.difficulty == [1, 2, 3] and cfg.env.difficulty_weights == [1, 1, 2] and cfg.env.held_out == 200
+    assert (
+        cfg.env.difficulty == [1, 2, 3]
+        and cfg.env.difficulty_weights == [1, 1, 2]
+        and cfg.env.held_out == 200
+    )
     env = instantiate(cfg.env)
     assert isinstance(env, MathToolEnv) and level_counts(env) == {1: 15, 2: 15, 3: 30}  # shares 1 : 1 : 2
 
