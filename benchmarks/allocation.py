@@ -25,9 +25,8 @@ from trace_lightning import allocation as alloc
 from trace_lightning.envs.synthetic import ChainTask, make_tasks
 from trace_lightning.iteration import build_trees
 from trace_lightning.predictor import PredictorFit, ReplayEntry
-from trace_lightning.selection import bare_outcomes
 from trace_lightning.simulator import ChainSimulator, oracle_scores, state_of
-from trace_lightning.tree import RolloutTree, predictor_targets, tree_stats
+from trace_lightning.tree import RolloutTree, bare_outcomes, predictor_targets, tree_stats
 
 PREDICTORS = ("oracle", "noisy", "learned")
 

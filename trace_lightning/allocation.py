@@ -354,15 +354,14 @@ class KnapsackRoots:
     max_per_prompt: int = 16
 
     def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
-        chosen = rng.choice(
-            len(predicted), size=_n_groups(len(predicted), n_roots, self.group_size), replace=False
-        )
         cap = min(self.max_per_prompt, n_roots)
-        if not 1 <= self.min_group <= self.group_size <= cap:
+        if not 1 <= self.min_group <= self.group_size <= cap:  # refused before any draw from `rng`
             raise BudgetError(
                 f"allocator.min_group={self.min_group} <= group_size={self.group_size} <= max_per_prompt="
                 f"{self.max_per_prompt} must hold (the knapsack splits what GRPO would spend)"
             )
+        n_groups = _n_groups(len(predicted), n_roots, self.group_size)
+        chosen = rng.choice(len(predicted), size=n_groups, replace=False)
         v = np.clip(np.asarray(predicted, dtype=np.float64)[chosen], PROB_EPS, 1.0 - PROB_EPS)  # [G]
         sizes = np.arange(self.min_group, cap + 1)  # [S]
         gains = knapsack_value(v[:, None], sizes[None, :])  # [G, S]
@@ -437,6 +436,10 @@ class TreeAllocator:
         group = max(int(getattr(rule, "group_size", 1)) for rule in (self.roots, self.closed) if rule)
         return (1 + self.expansion) * group
 
+    def root_rule(self, steer: bool) -> RootRule:
+        """Stage 1's rule: `roots` while the estimates steer, the `closed` one (where set) otherwise."""
+        return self.roots if steer or self.closed is None else self.closed
+
     def give_back(
         self, predicted: np.ndarray, leaves: int, rng: np.random.Generator, steer: bool = True
     ) -> np.ndarray:
@@ -445,7 +448,7 @@ class TreeAllocator:
         most of them, at most `leaves`, it can split over these candidates (zeros: none).
 
         Example: closed rule groups of 4, 10 leaves -> 8 of them as two groups of 4."""
-        rule = self.roots if steer or self.closed is None else self.closed
+        rule = self.root_rule(steer)
         for n in range(leaves, 0, -1):
             try:  # the rules refuse a count they cannot split before they draw from `rng`
                 return rule(predicted, n, rng)
@@ -486,8 +489,7 @@ class TreeAllocator:
         counts = fixed.astype(np.int64).copy()
         free, left = fixed == 0, n_roots - int(fixed.sum())
         if left:  # the slice may take the whole root budget: then there is nothing left to allocate
-            rule = self.roots if steer or self.closed is None else self.closed
-            counts[free] = rule(predicted[free], left, rng)
+            counts[free] = self.root_rule(steer)(predicted[free], left, rng)
         assert counts.sum() == n_roots, f"{self.name}: root rule broke the budget"
         return counts
 

@@ -44,8 +44,8 @@ from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import Features, IterationScorer, refit
 from trace_lightning.pricing import FlipRates, Flips, signal_leaves
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
-from trace_lightning.selection import RootQuality, Selection, bare_outcomes
-from trace_lightning.tree import SUCCESS, RolloutTree
+from trace_lightning.selection import RootQuality, Selection
+from trace_lightning.tree import SUCCESS, RolloutTree, bare_outcomes
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
 # display (console.IterationProgress) shows the same counts as they happen.

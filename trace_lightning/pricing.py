@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from trace_lightning.tree import SUCCESS, RolloutTree
+from trace_lightning.tree import SUCCESS, RolloutTree, bare_outcomes
 
 
 @dataclass(frozen=True)
@@ -195,15 +195,8 @@ FLIP_WORTH = 2.0
 
 def signal_leaves(trees: Sequence[RolloutTree]) -> int:
     """Bare rollouts in mixed bare groups: what root groups earned, in the unit `solve_priced` prices."""
-    out = 0
-    for tree in trees:
-        won = [
-            float(tree.nodes[x].reward or 0.0) >= SUCCESS
-            for x in tree.leaves()
-            if tree.nodes[x].stage == "bare"
-        ]
-        out += len(won) if 0 < sum(won) < len(won) else 0
-    return out
+    groups = [bare_outcomes(tree) for tree in trees]
+    return sum(len(won) for won in groups if 0 < won.sum() < len(won))
 
 
 def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None) -> np.ndarray:

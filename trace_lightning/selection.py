@@ -37,15 +37,7 @@ import numpy as np
 
 from trace_lightning.allocation import BetaPrior
 from trace_lightning.gauges import skill_against
-from trace_lightning.tree import SUCCESS, RolloutTree
-
-
-def bare_outcomes(tree: RolloutTree) -> np.ndarray:
-    """Success (0/1) of each bare rollout of a tree: unbiased draws of V(prompt)."""
-    return np.array(
-        [tree.nodes[x].reward >= SUCCESS for x in tree.leaves() if tree.nodes[x].stage == "bare"],  # type: ignore[operator]
-        dtype=np.float64,
-    )
+from trace_lightning.tree import RolloutTree, bare_outcomes
 
 
 @dataclass(frozen=True)

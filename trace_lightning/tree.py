@@ -253,3 +253,11 @@ def predictor_targets(tree: RolloutTree, success_threshold: float = SUCCESS) -> 
     b = backup(tree, success_threshold)
     ids = np.array([n.id for n in tree.nodes if n.reward is None and b.leaves[n.id] > 0], dtype=np.int64)
     return PredictorTargets(node_ids=ids, values=b.value[ids], leaf_counts=b.leaves[ids])
+
+
+def bare_outcomes(tree: RolloutTree) -> np.ndarray:
+    """Success (0/1) of each bare rollout of a tree: unbiased draws of V(prompt)."""
+    return np.array(
+        [tree.nodes[x].reward >= SUCCESS for x in tree.leaves() if tree.nodes[x].stage == "bare"],  # type: ignore[operator]
+        dtype=np.float64,
+    )
