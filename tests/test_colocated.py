@@ -31,7 +31,15 @@ from trace_lightning.distributed import Processes
 pytestmark = pytest.mark.vllm  # skipped without vLLM (tests/optin.py), as make test does
 
 WORKER = Path(__file__).with_name("colocated_worker.py")
+# Stage 1 on flat estimates and an unpriced Stage 2 (m * N continuations per prompt), with no exploration
+# group: the cases below need a fixed share of continuations, whatever the pricing would buy.
 ENV = ["engine=vllm", "env._target_=colocated_worker.TurnsEnv", "trainer.max_epochs=2", "~callbacks.progress"]
+ENV += [
+    "allocator.pricing=null",
+    "allocator.group_size=null",
+    "selection.explore_groups=0",
+    "selection.gate_skill=null",
+]
 CASES = {
     "idle": ["+env.turns_by_rank=[3,3]", "budget.leaves=6", "data.pool_size=4"],
     "uneven": ["+env.turns_by_rank=[3,1]", "budget.leaves=12", "data.pool_size=8"],
