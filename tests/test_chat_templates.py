@@ -1,9 +1,16 @@
 """Every turn is rendered by the tokenizer's own chat template: ChatML, a Llama-3-style template and
 Gemma's, on tokenizers built here. The oracle is the template itself: a whole conversation rendered by
 `apply_chat_template` must be exactly the text the runner's prompt, action and observation ids decode
-to. A tokenizer without a usable template is refused, naming `model.chat_template`."""
+to. A tokenizer without a usable template is refused, naming `model.chat_template`, and so is one whose
+first render loops or builds a huge string: it runs in a child process under a time, memory and length
+bound, so it can neither hang start-up nor take gigabytes."""
 
 from __future__ import annotations
+
+import re
+import resource
+import sys
+import time
 
 import pytest
 import torch
@@ -12,8 +19,9 @@ from test_gemma import tiny_gemma_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from trace_lightning import chat
 from trace_lightning import models as tl_models
-from trace_lightning.runner import ChatTemplateError, chat_turns, observation_ids, prompt_ids
+from trace_lightning.chat import ChatTemplateError, chat_turns, observation_ids, prompt_ids
 
 # A Llama-3-style template, written for this test: header tokens around the role, <|eot_id|> ends a turn.
 LLAMA3_TEMPLATE = (
@@ -135,3 +143,46 @@ def test_model_dtype_loads_the_weights_in_it_and_keeps_lora_in_float32(tmp_path)
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
     with pytest.raises(ValueError, match="model.dtype='fp8'"):
         tl_models.build_policy(folder, dtype="fp8")
+
+
+LOOP = "{% for i in range(10**9) %}x{% endfor %}"  # the sandbox refuses so large a range at once
+DOUBLING = (  # 8 * 2**40 characters, a few dozen at a time
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    "{{ ns.s }}"
+)
+HUGE = "{{ 'x' * 10**10 }}"  # 10 GB in one allocation
+LONG = "{{ 'x' * 2000000 }}"  # 2 MB: fits in memory, not in the length bound
+NEVER_ENDS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+on_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory bound is RLIMIT_AS")
+
+
+def tiny_with(template: str) -> PreTrainedTokenizerFast:
+    tok = tl_models.build_tiny_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+@pytest.mark.parametrize(
+    ("template", "cause"),
+    [
+        (LOOP, "Range too big"),
+        pytest.param(DOUBLING, "512 MiB", marks=on_linux),
+        pytest.param(HUGE, "512 MiB", marks=on_linux),
+        (LONG, "2,000,000 characters"),
+    ],
+    ids=["loop", "doubling", "huge", "long"],
+)
+def test_a_template_that_loops_or_builds_a_huge_string_is_refused_quickly(template, cause):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    began = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match=rf"(?s){re.escape(cause)}.*model\.chat_template="):
+        chat_turns(tiny_with(template))
+    assert time.perf_counter() - began < chat.RENDER_SECONDS + 20  # the bound, and the child's start-up
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 256 * 1024  # the child's memory
+
+
+def test_a_template_that_never_ends_is_stopped_at_the_time_bound():
+    conversation = [([{"role": "user", "content": "U"}], True)]
+    with pytest.raises(ChatTemplateError, match=r"within 1 s .*model\.chat_template="):
+        chat.check_template_bounds(NEVER_ENDS, conversation, {}, seconds=1.0)
+    chat.check_template_bounds(tl_models.CHATML_TEMPLATE, conversation, {}, seconds=1.0)  # a real one passes

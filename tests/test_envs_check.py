@@ -9,6 +9,7 @@ import math
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -167,8 +168,26 @@ def test_the_example_trains_from_the_cli_as_the_guide_says(tmp_path):
 
 
 def test_the_trainer_refuses_a_broken_user_environment_at_start_up():
+    """What the runner cannot contain refuses the run; a step that raises only warns (the runner ends
+    those episodes with env_error and goes on)."""
     from trace_lightning.trainer import check_env_at_start
 
-    with pytest.raises(ValueError, match=r"env=broken breaks rules(.|\n)*step raised KeyError"):
+    with pytest.raises(ValueError, match=r"env=broken breaks rules(.|\n)*two different transitions"):
+        check_env_at_start(Broken("random"))
+    with pytest.raises(ValueError, match=r"env=broken breaks rules(.|\n)*unhashable list"):
+        check_env_at_start(Broken("unhashable"))
+    with pytest.warns(
+        UserWarning, match=r"env=broken has problems the runner contains(.|\n)*step raised KeyError"
+    ):
         check_env_at_start(Broken("raises"))
-    check_env_at_start(Broken("none"))  # a sound one passes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env_at_start(Broken("none"))  # a sound one passes
+
+
+@pytest.mark.parametrize(
+    ("fault", "held"), [("raises", True), ("nan", True), ("random", False), ("unhashable", False)]
+)
+def test_contained_problems_are_the_ones_the_runner_survives(fault, held):
+    problems = check_environment(Broken(fault))
+    assert problems and all(p.contained == held for p in problems), [(p, p.contained) for p in problems]

@@ -20,10 +20,10 @@ from transformers import PreTrainedTokenizerFast
 
 from trace_lightning import config
 from trace_lightning import models as tl_models
+from trace_lightning.chat import chat_turns, observation_ids, prompt_ids
 from trace_lightning.demos import Demonstration
 from trace_lightning.envs.base import Task
 from trace_lightning.models import assemble_gguf, gemma3_parts, gemma3_sha256, gemma_tokenizer, prepare_gemma3
-from trace_lightning.runner import chat_turns, observation_ids, prompt_ids
 from trace_lightning.warmstart import IGNORE, policy_path, to_example
 
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")

