@@ -1,6 +1,6 @@
 """MutableEnv: a reset/step object becomes a functional environment by replaying the action prefix
-from a seeded reset; it passes check_environment, re-enters prefixes exactly, and a non-reproducible
-object is a named ReplayMismatch."""
+from a seeded reset; it passes check_environment, re-enters prefixes exactly, a non-reproducible
+object is a named ReplayMismatch, and every object built is closed (a raising step or close included)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,44 @@ def test_a_replay_that_does_not_reproduce_is_a_named_error():
     with pytest.raises(ReplayMismatch, match="task 0, turn 0: replaying the same actions"):
         drifting.step(task, one.state, "<add>1</add>")
     assert any("two different transitions" in p for p in check_environment(drifting))  # caught up front
+
+
+class Tracked(Counter):
+    """Counts how many objects are built and closed; `fail_on` makes step raise on that action, and
+    `close_raises` makes close() raise (after counting it)."""
+
+    def __init__(self, counts: dict[str, int], fail_on: str = "", close_raises: bool = False):
+        self.counts, self.fail_on, self.close_raises = counts, fail_on, close_raises
+        counts["built"] += 1
+
+    def step(self, action):
+        if self.fail_on and action == self.fail_on:
+            raise RuntimeError("the step failed")
+        return super().step(action)
+
+    def close(self):
+        self.counts["closed"] += 1
+        if self.close_raises:
+            raise OSError("close failed")
+
+
+@pytest.mark.parametrize("close_raises", [False, True])
+def test_every_object_built_is_closed_even_when_its_step_or_its_close_raises(close_raises, caplog):
+    counts = {"built": 0, "closed": 0}
+    tracked = env(lambda: Tracked(counts, fail_on="<add>9</add>", close_raises=close_raises))
+    for task in TASKS:  # per task: 3 + i steps of +1 to the target, then one step that raises
+        state = tracked.initial_state(task)
+        while not (tr := tracked.step(task, state, "<add>1</add>")).done:
+            state = tr.state
+        with pytest.raises(RuntimeError, match="the step failed"):  # the step's error, not close's
+            tracked.step(task, state[:1], "<add>9</add>")
+    assert counts["built"] == sum(3 + i + 1 for i in range(4)) == 22
+    assert counts["closed"] == counts["built"]
+    assert ("close() raised OSError" in caplog.text) == close_raises
+
+
+def test_objects_without_a_callable_close_are_left_alone():
+    class NotCallable(Counter):
+        close = "not a method"
+
+    assert env(NotCallable).step(TASKS[0], (), "<add>1</add>").observation == "total 1"

@@ -12,8 +12,17 @@ import pytest
 
 from trace_lightning import models as tl_models
 from trace_lightning.demos import demonstrations
+from trace_lightning.envs.base import Task
 from trace_lightning.envs.check import check_environment
-from trace_lightning.envs.tools import BadCall, ToolCall, parse_hermes, parse_llama3_json, run_call, schemas
+from trace_lightning.envs.tools import (
+    BadCall,
+    ToolCall,
+    ToolEnv,
+    parse_hermes,
+    parse_llama3_json,
+    run_call,
+    schemas,
+)
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "capitals"
 
@@ -100,10 +109,24 @@ def test_bad_calls_are_tool_errors_never_exceptions():
         (ToolCall("sub", {"a": 1}), "no tool named 'sub'"),
         (ToolCall("add", {}), "needs the argument(s) ['a']"),
         (ToolCall("add", {"a": 1, "c": 2}), "takes no argument(s) ['c']"),
-        (ToolCall("add", {"a": "x", "b": 1}), "add failed: TypeError"),
+        (ToolCall("add", {"a": "x", "b": 1}), "add's argument 'a' must be integer, not string"),
+        (ToolCall("add", {"a": 10**20}), "an integer beyond"),
     ]:
         text, failed = run_call(call, functions, by_name)
         assert failed and said in text, text
+
+
+def test_a_tool_env_built_from_arguments_needs_no_subclass():
+    tasks = [Task(i, f"What is {i} + 2?", (str(i + 2),)) for i in range(3)]
+    env = ToolEnv((add,), tasks, lambda task, reply: float(reply.strip() == task.answer[0]), name="adder")
+    assert (env.name, env.tool_format, env.max_calls) == ("adder", "hermes", 8)  # unset: the defaults
+    assert check_environment(env) == []
+    task = tasks[1]
+    called = env.step(task, 0, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert (called.observation, called.state) == ("<tool_response>3</tool_response>", 1)
+    assert env.step(task, called.state, "3").reward == 1.0
+    with pytest.raises(NotImplementedError, match="pass tasks="):
+        ToolEnv((add,)).tasks()
 
 
 @pytest.fixture

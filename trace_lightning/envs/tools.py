@@ -18,8 +18,11 @@ Formats (`PARSERS`, one registry): `hermes` (also `qwen`): `<tool_call>{"name": 
 {...}}</tool_call>`, the format of Hermes, Qwen 2.5/3 and SmolLM3 templates; `llama3_json`: the turn is
 one JSON object `{"name": ..., "parameters": {...}}`, Llama 3.1's JSON tool calling. A turn with no
 call is the final reply. A malformed call (bad JSON, an unknown tool, a missing or unexpected
-argument, a tool that raises) is answered with a tool-error observation saying what to write, never
-an exception: it counts in `rollout/format_errors` or `rollout/tool_errors`.
+argument, an argument the tool's schema refuses, a tool that raises, a result that cannot be shown)
+is answered with a tool-error observation saying what to write, never an exception: it counts in
+`rollout/format_errors` or `rollout/tool_errors`. The model's output is hostile input: arguments are
+checked against the schema (`jsonschema`) before the tool runs, so `multiply(a: int, b: int)` never
+sees `a="x" * 15000` (which `a * b` would turn into a gigabyte).
 """
 
 from __future__ import annotations
@@ -30,12 +33,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
 from trace_lightning.envs.base import Task, Transition
 
 MAX_CALL_CHARS = 16_000  # a call longer than this is refused before it is parsed
 MAX_RESULT_CHARS = 4_000  # a tool's result is cut to this (the runner also bounds observations)
 MAX_ARGUMENT_DEPTH = 16  # nesting of a call's JSON (lists and objects); the shipped tools need 2
 MAX_ARGUMENT_INT = 2**53  # JSON's safe integers: a bigger one is refused before any tool sees it
+# A string argument (a code, a query, a path) longer than this is refused: it bounds the work a string
+# can cause inside a tool (`s * n`, a regex). The schema shown to the model carries it as `maxLength`.
+MAX_STRING_CHARS = 4_000
+MAX_ERROR_CHARS = 300  # a tool-error observation is cut to this: never echo a hostile argument back
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
 @dataclass(frozen=True)
@@ -143,47 +154,132 @@ def tool_format(name: str) -> ToolFormat:
 
 
 def schemas(functions: Sequence[Callable[..., Any]]) -> list[dict[str, Any]]:
-    """The JSON schema of each function, from its type hints and its docstring's Args section."""
+    """The JSON schema of each function, from its type hints and its docstring's Args section; every
+    string in it carries `maxLength` MAX_STRING_CHARS."""
     from transformers.utils import get_json_schema
 
     out = []
     for fn in functions:
         try:
-            out.append(get_json_schema(fn))
+            schema = get_json_schema(fn)
         except Exception as err:  # transformers names the missing hint or docstring line
             raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {err}") from err
+        _bound_strings(schema["function"]["parameters"])
+        out.append(schema)
     return out
 
 
-def run_call(
-    call: ToolCall, functions: dict[str, Callable[..., Any]], schema: dict[str, dict]
-) -> tuple[str, bool]:
-    """(the tool's result as text, whether the call failed): unknown tools, missing or unexpected
-    arguments and exceptions inside the tool are failures, explained in the text."""
+def _types(node: dict[str, Any]) -> list[str]:
+    kind = node.get("type", [])
+    return [kind] if isinstance(kind, str) else list(kind)
+
+
+def _bound_strings(node: Any) -> None:
+    """Adds `maxLength` to every string (sub)schema in place, in lists' items and maps' values too."""
+    if isinstance(node, list):
+        for child in node:
+            _bound_strings(child)
+    elif isinstance(node, dict):
+        if "string" in _types(node):
+            node.setdefault("maxLength", MAX_STRING_CHARS)
+        for child in node.values():
+            _bound_strings(child)
+
+
+def _nullable_as_null(node: Any) -> Any:
+    """A copy of the schema that JSON Schema reads as transformers means it: `get_json_schema` marks an
+    Optional parameter `"nullable": true` (OpenAPI's word), which jsonschema ignores; here it adds
+    "null" to the type, so a model passing null for an Optional parameter is not refused."""
+    if isinstance(node, list):
+        return [_nullable_as_null(child) for child in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _nullable_as_null(value) for key, value in node.items()}
+    if out.pop("nullable", False) and "type" in out:
+        out["type"] = [*_types(out), "null"]
+    return out
+
+
+def schema_problem(name: str, arguments: dict[str, Any], parameters: dict[str, Any]) -> str | None:
+    """Why `arguments` break the tool's `parameters` schema, in at most MAX_ERROR_CHARS, or None.
+    jsonschema's own messages quote the offending value, so type and length errors are reworded."""
+    error = best_match(Draft202012Validator(_nullable_as_null(parameters)).iter_errors(arguments))
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path) or "arguments"
+    got = JSON_TYPES.get(type(error.instance), "null" if error.instance is None else "other")
+    if error.validator == "type":
+        expected = " or ".join(_types({"type": error.validator_value}))
+        said = f"must be {expected}, not {got}"
+    elif error.validator == "enum":
+        said = f"must be one of {error.validator_value}"
+    elif error.validator == "maxLength":
+        said = f"has {len(error.instance)} characters; the limit is {error.validator_value}"
+    else:
+        said = error.message
+    return f"{name}'s argument {where!r} {said}"[:MAX_ERROR_CHARS]
+
+
+def _shown(value: Any) -> str:
+    """The tool's result as text; may raise anything (a `__str__` that raises or returns a non-str)."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if not isinstance(text, str):
+        raise TypeError("the result did not render as a str")
+    return str.__getitem__(text, slice(0, MAX_RESULT_CHARS))  # a plain slice even of a str subclass
+
+
+def _failure(name: str, err: Exception) -> str:
+    """The observation for a tool that raised; its message is the tool's, so showing it may raise too."""
+    kind = type(err).__name__
+    try:
+        return f"error: {name} failed: {kind}: {_shown(str(err))[:200]}"
+    except Exception:  # an exception whose __str__ raises or returns a non-str: say so, fixed text
+        return f"error: {name} failed: {kind} (its message could not be shown)"
+
+
+def _refusal(
+    call: ToolCall, functions: dict[str, Callable[..., Any]], schema: dict[str, dict[str, Any]]
+) -> str | None:
+    """Why the call may not run (an unknown tool, missing, unexpected or invalid arguments), or None."""
     if call.name not in functions:
-        return f"error: no tool named {call.name!r}; the tools are {sorted(functions)}", True
+        return f"no tool named {call.name!r}; the tools are {sorted(functions)}"
     params = schema[call.name]["function"]["parameters"]
     allowed, required = set(params.get("properties", {})), set(params.get("required", []))
     if missing := sorted(required - set(call.arguments)):
-        return f"error: {call.name} needs the argument(s) {missing}", True
+        return f"{call.name} needs the argument(s) {missing}"
     if extra := sorted(set(call.arguments) - allowed):
-        return f"error: {call.name} takes no argument(s) {extra}; it takes {sorted(allowed)}", True
+        return f"{call.name} takes no argument(s) {extra}; it takes {sorted(allowed)}"
+    return unbounded_value(call.arguments) or schema_problem(call.name, call.arguments, params)
+
+
+def run_call(
+    call: ToolCall, functions: dict[str, Callable[..., Any]], schema: dict[str, dict[str, Any]]
+) -> tuple[str, bool]:
+    """(the tool's result as text, whether the call failed): unknown tools, missing or unexpected
+    arguments, arguments the schema refuses, exceptions inside the tool and results that cannot be
+    shown are failures, explained in the text. Never raises for anything the tool or the call does."""
+    if problem := _refusal(call, functions, schema):
+        return f"error: {problem}"[:MAX_ERROR_CHARS], True  # names and keys come from the model: cut
     try:
         result = functions[call.name](**call.arguments)
     except Exception as err:  # the tool's own failure on this input, shown to the policy
-        return f"error: {call.name} failed: {type(err).__name__}: {str(err)[:200]}", True
+        return _failure(call.name, err), True
     try:
-        text = result if isinstance(result, str) else json.dumps(result, default=str)
-    except (ValueError, TypeError, RecursionError) as err:  # e.g. an int too long to print, a cycle
-        return f"error: {call.name} returned a value that cannot be shown: {type(err).__name__}", True
-    return text[:MAX_RESULT_CHARS], False
+        return _shown(result), False
+    except Exception:  # e.g. an int too long to print, a cycle, a __str__ or __repr__ that raises
+        return f"error: {call.name}'s result could not be shown ({type(result).__name__})", True
 
 
 class ToolEnv:
     """An environment whose tools are typed functions (`tools`), called in `tool_format`; a turn without
-    a call is the final reply, scored by `score(task, reply)`. Subclasses set `name`, `system_prompt`,
-    `tools` and `tool_format`, and define `tasks`, `score` and optionally `demonstration`. The state is
-    the number of calls made so far; `max_calls` ends an episode that keeps calling (reward 0)."""
+    a call is the final reply, scored by `score(task, reply)`. Either pass `tools`, `tasks` and `score`
+    (and optionally the keywords) to the constructor, as for MutableEnv, or subclass: set `name`,
+    `system_prompt`, `tools` and `tool_format`, and define `tasks`, `score` and optionally
+    `demonstration`. The state is the number of calls made so far; `max_calls` ends an episode that
+    keeps calling (reward 0).
+
+        env = ToolEnv((lookup,), tasks, lambda task, reply: float(reply == task.answer[0]), name="capitals")
+    """
 
     name = "tools"
     system_prompt = "Use the tools when they help, then reply with the answer."
@@ -191,7 +287,28 @@ class ToolEnv:
     tool_format = "hermes"
     max_calls = 8
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        tasks: Sequence[Task] | None = None,
+        score: Callable[[Task, str], float] | None = None,
+        *,
+        name: str | None = None,
+        system_prompt: str | None = None,
+        tool_format: str | None = None,
+        max_calls: int | None = None,
+    ) -> None:
+        given = dict(name=name, system_prompt=system_prompt, tool_format=tool_format, max_calls=max_calls)
+        for key, value in given.items():  # None keeps the class's (or a subclass's) attribute
+            if value is not None:
+                setattr(self, key, value)
+        self.tools = tuple(tools) if tools is not None else self.tools
+        self._tasks, self._score = (list(tasks) if tasks is not None else None), score
+        self._read_tools()
+
+    def _read_tools(self) -> None:
+        """The call format, stop strings and schemas (apart from __init__, whose `tool_format` argument
+        would hide the module's `tool_format` lookup)."""
         self._format = tool_format(self.tool_format)
         self.stop_strings = self._format.stop_strings
         self._schemas = schemas(self.tools)
@@ -199,10 +316,14 @@ class ToolEnv:
         self._by_name = {s["function"]["name"]: s for s in self._schemas}
 
     def tasks(self) -> Sequence[Task]:
-        raise NotImplementedError
+        if self._tasks is None:
+            raise NotImplementedError("ToolEnv has no tasks: pass tasks=[...] or define tasks()")
+        return self._tasks
 
     def score(self, task: Task, reply: str) -> float:
-        raise NotImplementedError
+        if self._score is None:
+            raise NotImplementedError("ToolEnv has no score: pass score=fn(task, reply) or define score()")
+        return self._score(task, reply)
 
     def initial_state(self, task: Task) -> int:
         return 0
