@@ -210,3 +210,31 @@ def test_tree_artifacts_round_trip(store: tuple[str, str, str], tmp_path: Path) 
     paths = compare.tree_artifacts(client, trace_id)
     assert paths == ["trees/iteration_0000.json", "trees/iteration_0001.json"]
     assert [compare.load_trees(client, trace_id, p) for p in paths] == [[tree], [tree]]
+
+
+def test_a_hostile_store_prints_escaped_and_still_plots(
+    store: tuple[str, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run name with a terminal escape and a newline, a tag that is mathtext, and an evaluation logged
+    at -3 iterations trained (which indexed the budget list from its end, or past its start): the table
+    shows them escaped on one line, the plot is written without that point, and the output counts it."""
+    uri, _, _ = store
+    client = MlflowClient(uri)
+    exp = client.create_experiment("hostile", artifact_location=str(tmp_path / "artifacts"))
+    tags = {"allocator": "$\\frac{$", "env": "a\x1b[2J\u202eb"}
+    run_id = client.create_run(exp, START, tags, run_name="a\x1b[31mred\nforged | row").info.run_id
+    _log(client, run_id, "budget/leaves_cum", [12])
+    _log(client, run_id, "eval/pass_at_1", [0.25, 0.5])
+    _log(client, run_id, "eval/iterations_trained", [-3, 1])
+    client.set_terminated(run_id, "FINISHED", end_time=START + 1000)
+    # -3 has no place; 1 iteration trained sits at the 12 leaves it spent
+    assert compare.curve_points(client, run_id, compare.HELD_OUT) == ([12], [0.5], 1)
+    out_dir = tmp_path / "plots"
+    assert compare.main(["--tracking-uri", uri, "--experiment", "hostile", "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out
+    assert not any(line.startswith("forged") for line in out.splitlines())
+    assert "a\\x1b[31mred\\nforged | row" in out and "a\\x1b[2J\\u202eb" in out
+    assert f"eval_pass_at_1_vs_leaves.png: left out 1 point(s) of run {run_id[:8]}" in out
+    assert (out_dir / "eval_pass_at_1_vs_leaves.png").stat().st_size > 0
+    assert compare.plain("$\\frac{$ x") == "\\$\\frac{\\$ x" and compare.visible("\x1b\n") == "\\x1b\\n"

@@ -105,8 +105,11 @@ def _rollout_part(report: IterationReport, stats: list[TreeStats]) -> dict[str, 
 
 
 def _key_safe(name: str) -> str:
-    """Stop reasons come from the environment: keep them within MLflow's allowed key characters."""
-    return re.sub(r"[^\w./ -]", "_", name)
+    """Stop reasons come from the environment. The runner normalises them where they enter
+    (`runner.stop_reason_key`, the same rule); this keeps any other path to a `rollout/stop/` key within
+    what MLflow accepts too (no `//`, no leading or trailing `/`, no `..` segment, at most 250
+    characters), since its logger raises mid-run otherwise."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64] or "env_invalid"
 
 
 def _won(tree: RolloutTree, leaf: int) -> bool:

@@ -12,6 +12,12 @@ plots put a cumulative budget unit on the x-axis rather than iterations: leaves,
 prefill tokens, tool calls or seconds (`--x`; `callbacks.budget_spend`, `budget_seconds`). A run that
 gets more out of each unit shows up as a curve that rises sooner. The metric keys are the ones
 `trace_lightning.callbacks` logs; the functions here only read them, and printing stays in `main`.
+
+A store's names, tags and values are read as hostile input (a run name is whatever its creator typed,
+or a model wrote): control characters print escaped (`\\x1b`, `\\n`), so no cell can recolour the
+terminal or forge a table row; `$` in plot labels is escaped, so matplotlib's mathtext never parses it;
+points that cannot be placed (a negative, fractional, out-of-range or non-finite
+`eval/iterations_trained`, a non-finite value) are left out of the plots, and counted in the output.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,25 +139,45 @@ def cumulative(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
 def curve(
     client: MlflowClient, run_id: str, y_key: str, x_key: str = LEAVES
 ) -> tuple[list[float], list[float]]:
-    """(cumulative `x_key` spent, `y_key`) at each point where `y_key` was logged.
+    """(cumulative `x_key` spent, `y_key`) at each point where `y_key` was logged: `curve_points`
+    without its count of points left out."""
+    x, y, _ = curve_points(client, run_id, y_key, x_key)
+    return x, y
+
+
+def curve_points(
+    client: MlflowClient, run_id: str, y_key: str, x_key: str = LEAVES
+) -> tuple[list[float], list[float], int]:
+    """(cumulative `x_key` spent, `y_key`, points left out) at each point where `y_key` was logged.
 
     A per-iteration metric is logged at the same step as the iteration's running sums. An evaluation
     (`eval/*`) is placed by the iterations it followed (`eval/iterations_trained`): x = 0 before any
     training, the running sum of iterations 0..k-1 after k. (Lightning logs an epoch's metrics at its
     last batch's step and the evaluation after it one step later, and a first epoch of one batch logs
-    at step 0, where the evaluation before training also sits: steps alone cannot place it.)"""
+    at step 0, where the evaluation before training also sits: steps alone cannot place it.)
+
+    A point whose place or value is not a finite number, or whose `eval/iterations_trained` is not an
+    iteration this run logged (negative, fractional, past its last), is left out and counted: a store
+    may hold anything, and a plot must not fail, nor draw an evaluation at a made-up budget."""
     x, y = cumulative(client, run_id, x_key), history(client, run_id, y_key)
     if not x:  # this run never logged the unit: no curve (rather than a lone point at 0)
-        return [], []
+        return [], [], 0
     trained = history(client, run_id, TRAINED) if y_key.startswith("eval/") else {}
     if trained:
         spent = [0.0, *(x[s] for s in sorted(x))]  # after 0, 1, 2, ... iterations
-        points = [
-            (spent[int(trained[s])], v) for s, v in y.items() if s in trained and trained[s] < len(spent)
-        ]
+        pairs = [(_spent_after(spent, trained[s]), v) for s, v in y.items() if s in trained]
     else:
-        points = [(x[s], v) for s, v in y.items() if s in x]
-    return [p[0] for p in points], [p[1] for p in points]
+        pairs = [(x[s], v) for s, v in y.items() if s in x]
+    kept = [(a, b) for a, b in pairs if a is not None and math.isfinite(a) and math.isfinite(b)]
+    return [p[0] for p in kept], [p[1] for p in kept], len(pairs) - len(kept)
+
+
+def _spent_after(spent: list[float], iterations: float) -> float | None:
+    """The budget spent after `iterations` iterations, or None when this run has no such count (a
+    negative one would otherwise index `spent` from its end)."""
+    if not (math.isfinite(iterations) and iterations == int(iterations) and 0 <= iterations < len(spent)):
+        return None
+    return spent[int(iterations)]
 
 
 # --------------------------------------------------------------------------- the table
@@ -200,10 +227,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain aligned text: text columns left, numbers right; NaN shows as '-'."""
     if not rows:
         return "(no runs)"
-    columns = list(dict.fromkeys(c for row in rows for c in row))
-    cells = [[_cell(c, row.get(c)) for c in columns] for row in rows]
+    keys = list(dict.fromkeys(c for row in rows for c in row))
+    cells = [[_cell(c, row.get(c)) for c in keys] for row in rows]
+    columns = [visible(c) for c in keys]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    numeric = [not isinstance(rows[0].get(c), str) for c in columns]
+    numeric = [not isinstance(rows[0].get(c), str) for c in keys]
 
     def line(values: list[str]) -> str:
         return "  ".join(
@@ -217,7 +245,7 @@ def _cell(column: str, value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, str):
-        return value
+        return visible(value)
     if column == "seconds_total" or column == "wall_s":
         return f"{value:.1f}"
     if column.endswith("_total") or column == "iterations":
@@ -225,7 +253,20 @@ def _cell(column: str, value: Any) -> str:
     return f"{value:.3f}"
 
 
+def visible(text: str) -> str:
+    """`text` with every control, format or surrogate character written as its escape (`\\x1b`, `\\n`,
+    `\\u202e`): a run name or tag printed raw could recolour the terminal, move its cursor, forge a row
+    of the table or reverse the text after it."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 # --------------------------------------------------------------------------- plots
+
+
+def plain(text: str) -> str:
+    """`text` as matplotlib shows it literally: an even number of `$` would make it parse the text as
+    mathtext, which raises on most tags (`$\\frac{$`) and so loses the whole figure."""
+    return visible(text).replace("$", r"\$")
 
 
 def label(run: Run) -> str:
@@ -244,11 +285,11 @@ def plot_curves(
     ax = fig.add_subplot()
     for i, (name, x, y) in enumerate(curves):
         err = errors[i] if errors is not None and len(errors[i]) == len(y) else None
-        ax.errorbar(x, y, yerr=err, marker="o", markersize=3, capsize=3 if err else 0, label=name)
+        ax.errorbar(x, y, yerr=err, marker="o", markersize=3, capsize=3 if err else 0, label=plain(name))
     unit = x_key.rsplit("/", 1)[-1]
-    ax.set_xlabel(f"cumulative {unit} spent")
-    ax.set_ylabel(y_key + (" (± SE)" if errors is not None else ""))
-    ax.set_title(f"{y_key} against {unit} spent")
+    ax.set_xlabel(plain(f"cumulative {unit} spent"))
+    ax.set_ylabel(plain(y_key + (" (± SE)" if errors is not None else "")))
+    ax.set_title(plain(f"{y_key} against {unit} spent"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path)
@@ -264,20 +305,49 @@ def write_plots(
 ) -> list[Path]:
     """`metric` (with its SE bars where logged) and the effective ratio against each cumulative budget
     unit in `units` (keys of `UNITS`). A plot that no run has data for is skipped rather than drawn
-    empty; returns the files written."""
-    written = []
+    empty; returns the files written (`plot_all` also counts the points left out)."""
+    return plot_all(client, runs, out_dir, metric, units).written
+
+
+@dataclass
+class PlotReport:
+    """The plots written, and per plot and run the points left out (`curve_points`)."""
+
+    written: list[Path] = field(default_factory=list)
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)  # (plot file, short run id): count
+
+
+def plot_all(
+    client: MlflowClient,
+    runs: Sequence[Run],
+    out_dir: Path,
+    metric: str = HELD_OUT,
+    units: Sequence[str] = ("leaves", "tokens"),
+) -> PlotReport:
+    """`write_plots`, reporting the points left out as well as the files written."""
+    report = PlotReport()
     for y_key in dict.fromkeys([metric, EFFECTIVE]):
         for unit in units:
-            x_key = UNITS[unit]
-            curves = [(label(r), *curve(client, r.info.run_id, y_key, x_key)) for r in runs]
-            errors = [_se_values(client, r.info.run_id, y_key) for r in runs]
-            keep = [i for i, c in enumerate(curves) if c[1]]
-            if keep:
-                name = f"{y_key.replace('/', '_')}_vs_{unit}.png"
-                out_dir.mkdir(parents=True, exist_ok=True)
-                bars = [errors[i] for i in keep] if any(errors[i] for i in keep) else None
-                written.append(plot_curves([curves[i] for i in keep], x_key, y_key, out_dir / name, bars))
-    return written
+            _plot_one(client, runs, out_dir / f"{y_key.replace('/', '_')}_vs_{unit}.png", y_key, unit, report)
+    return report
+
+
+def _plot_one(
+    client: MlflowClient, runs: Sequence[Run], path: Path, y_key: str, unit: str, report: PlotReport
+) -> None:
+    """One plot of `y_key` against `unit`, added to `report` (nothing written when no run has a point)."""
+    x_key = UNITS[unit]
+    points = [curve_points(client, r.info.run_id, y_key, x_key) for r in runs]
+    for run, (_, _, skipped) in zip(runs, points, strict=True):
+        if skipped:
+            report.skipped[(path.name, run.info.run_id[:SHORT_ID])] = skipped
+    curves = [(label(r), x, y) for r, (x, y, _) in zip(runs, points, strict=True)]
+    errors = [_se_values(client, r.info.run_id, y_key) for r in runs]
+    keep = [i for i, c in enumerate(curves) if c[1]]
+    if keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        bars = [errors[i] for i in keep] if any(errors[i] for i in keep) else None
+        report.written.append(plot_curves([curves[i] for i in keep], x_key, y_key, path, bars))
 
 
 def _se_values(client: MlflowClient, run_id: str, key: str) -> list[float]:
@@ -341,14 +411,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         client = open_client(args.tracking_uri)
         runs = find_runs(client, args.experiment, args.runs)
     except CompareError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {visible(str(err))}", file=sys.stderr)  # it may quote the store's names
         return 2
     print(format_table([run_summary(client, run, args.metric) for run in runs]))
-    written = write_plots(client, runs, args.out, args.metric, args.x)
-    if not written:
+    report = plot_all(client, runs, args.out, args.metric, args.x)
+    if not report.written:
         keys = ", ".join(UNITS[u] for u in args.x)
         print(f"\nno plots: none of these runs logged {args.metric} or {EFFECTIVE} with {keys}")
-    for path in written:
+    for (plot, run_id), count in report.skipped.items():
+        print(
+            f"{plot}: left out {count} point(s) of run {run_id} that cannot be placed (a value that is not "
+            f"finite, or {TRAINED} negative, fractional, not finite or past the run's last iteration)"
+        )
+    for path in report.written:
         print(f"wrote {path}")
     return 0
 
