@@ -16,6 +16,7 @@ from trace_lightning.pricing import (
     Pricing,
     continuation_outcomes,
     fill_best,
+    probe,
     signal_leaves,
     solve_priced,
 )
@@ -107,15 +108,42 @@ def test_signal_leaves_count_the_bare_rollouts_of_mixed_groups():
     assert signal_leaves([_hand_tree(), lost]) == 2  # one win and one loss; three losses earn nothing
 
 
-def test_thompson_draws_follow_the_posterior():
-    rates = FlipRates(Pricing())
-    rates.counts = {(1, True): (0.0, 400.0), (2, True): (200.0, 400.0)}
-    draws = [rates.draw(np.random.default_rng(s)) for s in range(200)]
-    never = np.array([d[(1, True)] for d in draws])
-    half = np.array([d[(2, True)] for d in draws])
-    assert never.max() < 0.02 and abs(half.mean() - 0.5) < 0.02  # Beta(a, b) with a, b from the counts
-    unseen = np.array([d[(3, False)] for d in draws])  # no counts: the pooled prior, wide
-    assert unseen.std() > 0.05
+def test_the_probe_picks_distinct_candidates_uniformly():
+    picks = np.array([probe(5, 2, np.random.default_rng(s)) for s in range(2000)])  # [2000, 5]
+    assert (picks.sum(axis=1) == 2).all() and picks.max() == 1  # two distinct candidates each time
+    assert np.abs(picks.mean(axis=0) - 2 / 5).max() < 0.04  # each with probability 2/5 (SE about 0.011)
+    assert probe(1, 2, np.random.default_rng(0)).tolist() == [1]  # fewer candidates than the probe
+    assert probe(0, 2, np.random.default_rng(0)).tolist() == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
+    t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
+    start=st.lists(st.integers(0, 1), min_size=3, max_size=3),
+    extra=st.integers(0, 3),
+    rate=st.floats(0.0, 0.2),
+)
+def test_solve_priced_from_the_probe_is_the_brute_force_optimum_above_it(f, t, start, extra, rate):
+    t, start = t[: len(f)], start[: len(f)]
+    budget = sum(start) + extra
+    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate, start=np.array(start))
+    assert k.sum() <= budget and all(kc >= sc for kc, sc in zip(k, start, strict=True))
+    best = max(
+        _objective(c, f, t, rate)
+        for c in itertools.product(range(budget + 1), repeat=len(f))
+        if sum(c) <= budget and all(cc >= sc for cc, sc in zip(c, start, strict=True))
+    )
+    assert _objective(k, f, t, rate) == pytest.approx(best, abs=1e-9)
+
+
+def test_posterior_means_start_pessimistic_and_follow_the_counts():
+    rates = FlipRates(Pricing(flip_prior=0.05, prior_strength=4.0))
+    assert rates.rate((1, True)) == pytest.approx(0.05)  # nothing measured: the prior
+    rates.counts = {(1, True): (6.0, 8.0)}  # 6 flips in 8: pooled (6 + 0.2) / 12, then (6 + 4 p) / 12
+    pooled = (6 + 4 * 0.05) / (8 + 4)
+    assert rates.rate((1, True)) == pytest.approx((6 + 4 * pooled) / (8 + 4))
+    assert rates.rate((2, False)) == pytest.approx(pooled)  # unmeasured: the pooled rate
 
 
 def test_fill_best_spends_every_extra_leaf_at_the_best_net():
@@ -133,10 +161,10 @@ def test_candidates_cost_what_their_bare_rollout_generated_after_them():
     assert (cands[4].tokens, cands[4].bucket) == (1, (1, False))
 
 
-def _trace_run(rates, seed, steer, leaves=24, pool=16):
+def _trace_run(rates, seed, steer, leaves=24, pool=16, probe=0, allocator=None):
     rng = np.random.default_rng(seed)
     trees = [RolloutTree(int(i)) for i in rng.choice(len(TASKS), size=pool, replace=False)]
-    allocator = alloc.trace(2, group_size=4, pricing=Pricing())
+    allocator = allocator or alloc.trace(2, group_size=4, pricing=Pricing(probe=probe))
     return build_trees(
         trees,
         allocator,
@@ -157,17 +185,20 @@ def _no_flips() -> FlipRates:
     return rates
 
 
-def test_a_closed_gate_with_nothing_worth_a_continuation_is_grpo():
-    """Groups of exactly 4 on leaves / 4 prompts, no continuation, every candidate equally likely."""
-    chosen = np.zeros(16)
-    for seed in range(300):
-        it = _trace_run(_no_flips(), seed, steer=False)
-        sizes = sorted(int(m) for m in it.root_counts if m)
-        assert sizes == [4] * 6 and it.ledger.leaves == {"bare": 24, "expand": 0}
-        assert it.ledger.returned == 16  # M (1 + N) = 24: Stage 2's 16 leaves went back as roots
-        chosen += it.root_counts > 0
-    share = chosen / 300  # GRPO: 6 of 16 candidates, 0.375 each (SE about 0.028 over 300 draws)
-    assert np.abs(share - 6 / 16).max() < 0.1
+@pytest.mark.parametrize("priced", [True, False])
+def test_a_closed_gate_is_grpo(priced):
+    """Closed, trace is `allocator=uniform`: from the same draws, the same groups of 4 on the same
+    prompts, every leaf a bare rollout (no probe, nothing expanded), whatever the flip table says."""
+    rates = _no_flips()
+    rates.counts[(3, False)] = (900.0, 1000.0)  # flips that would pay: a closed gate still spends none
+    trace = alloc.trace(2, group_size=4, pricing=Pricing(probe=2) if priced else None)
+    for seed in range(20):
+        closed = _trace_run(rates, seed, steer=False, allocator=trace)
+        grpo = _trace_run(None, seed, steer=True, allocator=alloc.uniform(4))
+        assert closed.root_counts.tolist() == grpo.root_counts.tolist()
+        assert sorted(int(m) for m in closed.root_counts if m) == [4] * 6
+        assert closed.ledger.leaves == {"bare": 24, "expand": 0} and closed.ledger.returned == 0
+        assert [t.task_id for t in closed.trees] == [t.task_id for t in grpo.trees]
 
 
 def test_priced_stage2_spends_only_where_flips_pay_and_returns_the_rest():
@@ -187,6 +218,42 @@ def test_priced_stage2_spends_only_where_flips_pay_and_returns_the_rest():
         )
         assert tree.nodes[bare_leaf].depth - parent.depth >= 3
     assert it.ledger.leaves["expand"] + it.ledger.returned == 16
+
+
+def test_the_probe_runs_whatever_the_price_and_the_rest_goes_back():
+    """Nothing pays: 2 probe continuations at 2 distinct prefixes, the other 14 leaves back to Stage 1's
+    program as groups within [min_group, max_per_prompt] on candidates it had left out (8 + 14 = 22 bare)."""
+    for seed in range(20):
+        it = _trace_run(_no_flips(), seed, steer=True, probe=2)
+        starts = [  # a continuation's first turn: an expand node under a bare one
+            (t.task_id, n.parent)
+            for t in it.trees
+            for n in t.nodes
+            if n.stage == "expand" and t.nodes[n.parent].stage != "expand"
+        ]
+        assert len(starts) == len(set(starts)) == 2
+        assert it.ledger.leaves == {"bare": 22, "expand": 2} and it.ledger.returned == 14
+        assert it.root_counts.sum() == 22 and all(2 <= m <= 16 for m in it.root_counts if m)
+
+
+def test_priced_budgets_split_by_one_plus_n_leaves():
+    """Priced, the closed rule spreads a remainder, so any multiple of 1 + N is a budget (unpriced, the
+    groups of 4 need multiples of (1 + N) * 4)."""
+    assert alloc.trace(2, group_size=4, pricing=Pricing()).leaf_step() == 3
+    assert alloc.trace(2, group_size=4).leaf_step() == 12
+    it = _trace_run(_no_flips(), seed=0, steer=True, leaves=21, probe=2)  # M = 7
+    assert it.ledger.leaves_used == 21 and it.ledger.leaves["expand"] == 2
+    closed = _trace_run(_no_flips(), seed=0, steer=False, leaves=21)  # GRPO's groups, remainder spread
+    assert sorted(int(m) for m in closed.root_counts if m) == [4, 4, 4, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("n", "pool", "sizes"),
+    [(8, 5, [4, 4]), (10, 5, [5, 5]), (13, 5, [4, 4, 5]), (3, 5, [3]), (1, 5, [1]), (30, 5, [6] * 5)],
+)
+def test_spread_groups_by_hand(n, pool, sizes):
+    got = alloc.UniformRoots(4, spread=True)(np.full(pool, 0.5), n, np.random.default_rng(0))
+    assert sorted(int(m) for m in got if m) == sizes and got.sum() == n
 
 
 def test_a_priced_allocator_needs_the_flip_rates():

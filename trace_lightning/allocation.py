@@ -301,16 +301,27 @@ class PrefixRule(Protocol):
 
 @dataclass(frozen=True)
 class UniformRoots:
-    """GRPO: `n_roots / group_size` prompts drawn uniformly from the pool, `group_size` each."""
+    """GRPO: `n_roots / group_size` prompts drawn uniformly from the pool, `group_size` each.
+
+    `spread`: any `n_roots` >= 1 splits, the remainder one more rollout each for the first groups drawn
+    (10 as groups of 4 -> 4 + 1, 4 + 1; 3 -> one group of 3; never more groups than prompts), so a
+    budget need not be a multiple of the group size (TRACE's closed rule: its budgets are split by
+    1 + N, not by (1 + N) * group_size)."""
 
     group_size: int = 4
+    spread: bool = False
 
     def __call__(self, predicted: np.ndarray, n_roots: int, rng: np.random.Generator) -> np.ndarray:
-        chosen = rng.choice(
-            len(predicted), size=_n_groups(len(predicted), n_roots, self.group_size), replace=False
-        )
+        size, extra = self.group_size, 0
+        if self.spread and n_roots >= 1 and len(predicted):  # at most one group per prompt
+            n_groups = min(max(n_roots // size, 1), len(predicted))
+            size, extra = n_roots // n_groups, n_roots % n_groups
+        else:
+            n_groups = _n_groups(len(predicted), n_roots, size)
+        chosen = rng.choice(len(predicted), size=n_groups, replace=False)
         counts = np.zeros(len(predicted), dtype=np.int64)
-        counts[chosen] = self.group_size
+        counts[chosen] = size
+        counts[chosen[:extra]] += 1
         return counts
 
 
@@ -418,7 +429,8 @@ class TreeAllocator:
     roots: RootRule
     prefixes: PrefixRule | None = None
     expansion: int = 0
-    # The root rule while the predictor has no measured skill (selection.gate_skill): GRPO's equal groups.
+    # GRPO's equal groups while the predictor has no measured skill (selection.gate_skill): with the gate
+    # closed the whole budget is bare rollouts under this rule and Stage 2 does not run (`closes`).
     closed: RootRule | None = None
     pricing: Pricing | None = None  # Stage 2 priced in tokens (pricing.py) instead of m_i * N per prompt
 
@@ -432,9 +444,19 @@ class TreeAllocator:
             )
 
     def leaf_step(self) -> int:
-        """The leaves this allocator can split budgets by: (1 + N) times the root rule's group size."""
-        group = max(int(getattr(rule, "group_size", 1)) for rule in (self.roots, self.closed) if rule)
+        """The leaves this allocator can split budgets by: (1 + N) times the root rules' group size (a
+        rule that `spread`s its remainder splits any count)."""
+        group = max(
+            1 if getattr(rule, "spread", False) else int(getattr(rule, "group_size", 1))
+            for rule in (self.roots, self.closed)
+            if rule
+        )
         return (1 + self.expansion) * group
+
+    def closes(self, steer: bool) -> bool:
+        """Whether this iteration is GRPO's: the skill gate is closed (`steer=False`) and there is a
+        `closed` rule, so every leaf is a bare rollout under it and no prefix is expanded."""
+        return not steer and self.closed is not None
 
     def root_rule(self, steer: bool) -> RootRule:
         """Stage 1's rule: `roots` while the estimates steer, the `closed` one (where set) otherwise."""
@@ -456,8 +478,11 @@ class TreeAllocator:
                 continue
         return np.zeros(len(predicted), dtype=np.int64)
 
-    def n_roots(self, budget: Budget) -> int:
-        """M = L / (1 + N): bare rollouts, so that M (1 + N) leaves are spent in all."""
+    def n_roots(self, budget: Budget, steer: bool = True) -> int:
+        """M = L / (1 + N): bare rollouts, so that M (1 + N) leaves are spent in all; L itself while the
+        gate `closes` the allocator to GRPO."""
+        if self.closes(steer):
+            return budget.leaves
         if budget.leaves % (1 + self.expansion):
             raise BudgetError(
                 f"budget.leaves={budget.leaves} is not a multiple of 1 + allocator.expansion="
@@ -476,10 +501,10 @@ class TreeAllocator:
         """Bare rollouts per candidate [P], summing to M. `reserved` [P] fixes some candidates' counts in
         advance (the unbiased slice, `selection.explore_groups`); the root rule splits the rest of M
         over the other candidates. `steer=False` (the skill gate is closed): the `closed` rule instead,
-        where there is one.
+        where there is one, on all L leaves (`n_roots`).
 
         Example: M = 8, reserved [2, 0, 0, 2] -> the rule places 4 rollouts among candidates 1 and 2."""
-        predicted, n_roots = np.asarray(predicted, dtype=np.float64), self.n_roots(budget)
+        predicted, n_roots = np.asarray(predicted, dtype=np.float64), self.n_roots(budget, steer)
         fixed = np.zeros(len(predicted), dtype=np.int64) if reserved is None else np.asarray(reserved)
         if fixed.sum() > n_roots:
             raise BudgetError(
@@ -548,7 +573,9 @@ def trace(
         ActiveRoots(min_group, max_per_prompt, per_root, breadth),
         ActivePrefixes() if expansion else None,
         expansion,
-        closed=None if group_size is None else UniformRoots(group_size),
+        # priced, Stage 1's budget is L / (1 + N) whatever the group size: the closed rule spreads the
+        # remainder over its groups, so token budgets are not rounded to (1 + N) * group_size leaves
+        closed=None if group_size is None else UniformRoots(group_size, spread=pricing is not None),
         pricing=pricing if expansion else None,
     )
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from trace_lightning.allocation import Budget, BudgetLedger, PrefixCandidate, TreeAllocator
-from trace_lightning.pricing import FlipRates, fill_best, signal_leaves, solve_priced
+from trace_lightning.pricing import FlipRates, fill_best, probe, signal_leaves, solve_priced
 from trace_lightning.tree import RolloutTree, Stage, backup
 
 
@@ -99,7 +99,8 @@ def build_trees(
     `score` at every root; `reserved` [P] fixes some candidates' bare counts (the unbiased slice).
     With a `shard`, the root counts cover the whole pool (and sum to the global budget) but only the
     owned prompts are rolled out; the returned trees and ledger are this process's part.
-    `steer=False`: the skill gate is closed and Stage 1 uses the allocator's `closed` rule. With the
+    `steer=False`: the skill gate is closed; an allocator with a `closed` rule is then GRPO: that rule
+    spends the whole budget on bare rollouts and Stage 2 does not run (`TreeAllocator.closes`). With the
     allocator's `pricing`, Stage 2 is priced on `rates` (required then) and what it does not spend
     becomes more root groups on candidates Stage 1 left out (`_expand_priced`).
     """
@@ -119,20 +120,20 @@ def build_trees(
     local_rng = rng if shard is None else shard.rng
     ledger.reserve_leaves(int(active_counts.sum()), "bare")
     run([Branch(t, 0, int(m), "bare") for t, m in zip(trees, active_counts, strict=True)], ledger, local_rng)
-    if allocator.expansion > 0 and allocator.pricing is not None:
-        if rates is None:
-            raise ValueError(f"allocator {allocator.name} prices Stage 2 and needs the run's FlipRates")
-        spare = [
-            i for i, m in enumerate(counts) if m == 0 and (shard is None or i % shard.world == shard.rank)
-        ]
-        back = _expand_priced(
-            trees, pool, spare, predicted[spare], allocator, rates, run, ledger, local_rng, steer
-        )
-        counts = counts.copy()
-        counts[spare] = back  # the rollouts Stage 2 gave back count as bare rollouts of their prompts
-        trees = trees + [pool[i] for i, m in zip(spare, back, strict=True) if m]
-    elif allocator.expansion > 0:
+    if allocator.expansion == 0 or allocator.closes(steer):
+        return Iteration(trees, ledger, predicted, counts)
+    if allocator.pricing is None:
         _expand(trees, active_counts, allocator, score, run, ledger, local_rng)
+        return Iteration(trees, ledger, predicted, counts)
+    if rates is None:
+        raise ValueError(f"allocator {allocator.name} prices Stage 2 and needs the run's FlipRates")
+    spare = [i for i, m in enumerate(counts) if m == 0 and (shard is None or i % shard.world == shard.rank)]
+    back = _expand_priced(
+        trees, pool, spare, predicted[spare], allocator, rates, run, ledger, local_rng, steer
+    )
+    counts = counts.copy()
+    counts[spare] = back  # the rollouts Stage 2 gave back count as bare rollouts of their prompts
+    trees = trees + [pool[i] for i, m in zip(spare, back, strict=True) if m]
     return Iteration(trees, ledger, predicted, counts)
 
 
@@ -181,26 +182,27 @@ def _expand_priced(
     steer: bool,
 ) -> np.ndarray:
     """Stage 2 priced in tokens over the whole iteration (pricing.py): of the m * N continuations the
-    budget holds, those whose expected flips beat what their tokens earn as roots run; the rest go back
-    to Stage 1 (`TreeAllocator.give_back`) over the `spare` pool candidates it left out, in the same
-    pass. Leaves that Stage 1 cannot split go to the best remaining prefixes. Bare rollouts per spare
-    candidate [S]."""
+    budget holds, the probe's (uniform candidates) and those whose expected flips beat what their tokens
+    earn as roots run; the rest go back to Stage 1 (`TreeAllocator.give_back`) over the `spare` pool
+    candidates it left out, in the same pass. Leaves that Stage 1 cannot split grow its last group, or
+    without one go to the best remaining prefixes. Bare rollouts per spare candidate [S]."""
+    assert allocator.pricing is not None
     budget = sum(len(t.leaves()) for t in trees) * allocator.expansion
-    drawn = rates.draw(rng)  # one flip rate per bucket for this iteration (Thompson sampling)
-    cands = [(t, c) for t in trees for c in rates.candidates(t, drawn)]
+    cands = [(t, c) for t in trees for c in rates.candidates(t)]  # priced at the posterior means
     flip = np.array([c.flip for _, c in cands], dtype=np.float64)  # [C]
     tokens = np.array([c.tokens for _, c in cands], dtype=np.float64)  # [C]
     for t, c in cands:
         t.nodes[c.node_id].predicted = 1.0 - c.flip if c.bucket[1] else c.flip  # V̂ the price implies
     rate = rates.root_rate(signal_leaves(trees), ledger.tokens["bare"])  # with this iteration's roots
-    counts = solve_priced(flip, tokens, budget, rate)  # [C]
+    measured = probe(len(cands), min(allocator.pricing.probe, budget), rng)  # [C]
+    counts = solve_priced(flip, tokens, budget, rate, start=measured)  # [C]
     back = allocator.give_back(spare_predicted, budget - int(counts.sum()), rng, steer)  # [S]
     left = budget - int(counts.sum()) - int(back.sum())
-    if left and cands:
-        counts, left = fill_best(flip, tokens, counts, left, rate), 0
-    if left and back.sum():  # no prefix to take them: the last group given back grows
+    if left and back.sum():  # leaves Stage 1 could not split: the last group given back grows
         back[np.flatnonzero(back)[-1]] += left
         left = 0
+    if left and cands:  # no group given back: the best remaining prefixes, even at a loss
+        counts, left = fill_best(flip, tokens, counts, left, rate), 0
     branches = [Branch(t, c.node_id, int(k), "expand") for (t, c), k in zip(cands, counts, strict=True) if k]
     if left:  # no prefix and no spare candidate: more rollouts of the first prompt, as `_expand` does
         branches.append(Branch(trees[0], 0, left, "expand"))

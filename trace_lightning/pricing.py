@@ -9,9 +9,11 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
     after c (known exactly once the bare rollouts are done);
   * its flip probability f_c (P(a continuation from c ends with the other outcome)) comes from flip
     rates measured online, by the number of turns the bare rollout still had after c and by r
-    (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate), drawn once per bucket and
-    iteration from their posterior (Thompson sampling), so a bucket with little evidence is still tried
-    now and then while one measured never to flip is not;
+    (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate, which starts at a pessimistic
+    prior): the posterior mean, so Stage 2 spends only where flips were measured to pay;
+  * the measurement itself is a fixed, small spend: `probe` continuations an iteration at candidates
+    drawn uniformly, whatever their price (an unbiased sample of every bucket, and the only Stage 2
+    spend while no bucket has earned more);
   * both sides are counted in leaves that carry a learning signal: the k-th continuation at c adds
     f_c (1 - f_c)^(k-1) flips (the spec's V_pref gain), each worth `FLIP_WORTH` = 2 leaves (the
     continuation and the bare rollout it contrasts with); a root group earns its leaves when mixed;
@@ -21,7 +23,8 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
 
 `solve_priced` takes the continuations whose expected worth beats what their tokens earn as roots; every
 continuation it does not take goes back to Stage 1 as more root groups (iteration.py). A decided
-prefix, whose measured flip rate is near 0, gets nothing.
+prefix, whose measured flip rate is near 0, gets nothing; on a task where no prefix pays, TRACE is
+GRPO plus the probe.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ class Pricing:
     """How Stage 2 prices continuations (`allocator.pricing`): the prior of the flip-rate table.
 
     Before any measurement every bucket believes `flip_prior`, worth `prior_strength` continuations; each
-    iteration multiplies every count by `decay`, so the table follows a policy that changes."""
+    iteration multiplies every count by `decay`, so the table follows a policy that changes. `probe`
+    continuations an iteration measure it, at uniformly drawn candidates."""
 
-    flip_prior: float = 0.1
+    flip_prior: float = 0.05
     prior_strength: float = 4.0
-    decay: float = 0.8
+    decay: float = 0.9
     max_turns_left: int = 3  # buckets: 1, 2, ..., max_turns_left or more turns left after the prefix
+    probe: int = 2
 
     def __post_init__(self) -> None:
         if not 0.0 < self.flip_prior < 1.0 or self.prior_strength <= 0:
@@ -54,10 +59,10 @@ class Pricing:
                 f"allocator.pricing.flip_prior={self.flip_prior} must be in (0, 1) and prior_strength="
                 f"{self.prior_strength} > 0"
             )
-        if not 0.0 < self.decay <= 1.0 or self.max_turns_left < 1:
+        if not 0.0 < self.decay <= 1.0 or self.max_turns_left < 1 or self.probe < 0:
             raise ValueError(
-                f"allocator.pricing.decay={self.decay} must be in (0, 1] and max_turns_left="
-                f"{self.max_turns_left} >= 1"
+                f"allocator.pricing.decay={self.decay} must be in (0, 1], max_turns_left="
+                f"{self.max_turns_left} >= 1 and probe={self.probe} >= 0"
             )
 
 
@@ -104,11 +109,6 @@ class FlipRates:
         a, b = self.posterior(bucket)
         return a / (a + b)
 
-    def draw(self, rng: np.random.Generator) -> dict[Bucket, float]:
-        """One posterior sample of every bucket's flip rate (Thompson sampling), in a fixed bucket order."""
-        buckets = [(t, won) for t in range(1, self.pricing.max_turns_left + 1) for won in (False, True)]
-        return {b: float(rng.beta(*self.posterior(b))) for b in buckets}
-
     def root_rate(self, signal: float = 0.0, tokens: float = 0.0) -> float | None:
         """Leaves of mixed bare groups per bare token, over the decayed record and `signal` such leaves in
         `tokens` more bare tokens (this iteration's so far); None before any bare token was seen."""
@@ -121,8 +121,8 @@ class FlipRates:
     def candidates(
         self, tree: RolloutTree, flips: dict[Bucket, float] | None = None
     ) -> list[PricedCandidate]:
-        """The non-leaf turn prefixes of a tree's bare rollouts, priced at `flips` (one rate per bucket,
-        e.g. a `draw`; None: the posterior means)."""
+        """The non-leaf turn prefixes of a tree's bare rollouts, priced at `flips` (one rate per bucket;
+        None: the posterior means)."""
         out = []
         for leaf in tree.leaves():
             if tree.nodes[leaf].stage != "bare":
@@ -199,8 +199,11 @@ def signal_leaves(trees: Sequence[RolloutTree]) -> int:
     return sum(len(won) for won in groups if 0 < won.sum() < len(won))
 
 
-def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None) -> np.ndarray:
-    """Continuations per candidate [C], at most `budget` in all, maximising
+def solve_priced(
+    flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None, start: np.ndarray | None = None
+) -> np.ndarray:
+    """Continuations per candidate [C], at most `budget` in all (`start` [C], e.g. the probe's, counted
+    in and kept), maximising
         FLIP_WORTH * sum_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
     the leaves with a learning signal that flips create minus what the same tokens earn as root groups
     (`rate`: such leaves per token; None before any measurement: 0). The k-th continuation at c nets
@@ -209,11 +212,13 @@ def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float 
 
     Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.04 -> [2, 0] (nets 1 - 0.4 = 0.6, then
     0.1 at candidate 0, then 0.25 - 0.4 < 0; candidate 1 never flips)."""
-    counts = np.zeros(len(flip), dtype=np.int64)
+    counts = (
+        np.zeros(len(flip), dtype=np.int64) if start is None else np.asarray(start, dtype=np.int64).copy()
+    )
     price = 0.0 if rate is None else rate
     heap = [
-        (-(FLIP_WORTH * float(f) - price * float(t)), c)
-        for c, (f, t) in enumerate(zip(flip, tokens, strict=True))
+        (-(FLIP_WORTH * float(f) * (1.0 - float(f)) ** int(k) - price * float(t)), c)
+        for c, (f, t, k) in enumerate(zip(flip, tokens, counts, strict=True))
     ]
     heapq.heapify(heap)
     while heap and counts.sum() < budget:
@@ -223,6 +228,14 @@ def solve_priced(flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float 
         counts[c] += 1
         f = float(flip[c])
         heapq.heappush(heap, (-(FLIP_WORTH * f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
+    return counts
+
+
+def probe(n_candidates: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The measurement: one continuation at each of `n` candidates drawn uniformly without replacement
+    (all of them when there are fewer) [C]."""
+    counts = np.zeros(n_candidates, dtype=np.int64)
+    counts[rng.choice(n_candidates, size=min(n, n_candidates), replace=False)] = 1
     return counts
 
 
