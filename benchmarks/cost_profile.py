@@ -43,7 +43,7 @@ from common import (
 )
 
 from trace_lightning import allocation as alloc
-from trace_lightning.allocation import Budget
+from trace_lightning.budget import Budget
 from trace_lightning.callbacks import budget_spend
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams

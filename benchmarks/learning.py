@@ -59,8 +59,9 @@ from omegaconf import OmegaConf
 from trace_lightning import allocation as alloc
 from trace_lightning import config
 from trace_lightning.advantages import ESTIMATORS, GRPO, TreeGRPO, node_advantages
-from trace_lightning.allocation import BetaPrior, Budget
+from trace_lightning.allocation import BetaPrior
 from trace_lightning.batching import collate, leaf_sequences
+from trace_lightning.budget import Budget
 from trace_lightning.callbacks import BUDGET_UNITS, SuccessProbe, budget_row, running_sums
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase

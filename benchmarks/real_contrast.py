@@ -31,8 +31,8 @@ from common import bench_module
 from peft import LoraConfig
 
 from trace_lightning import allocation as alloc
-from trace_lightning.allocation import Budget
 from trace_lightning.batching import RolloutBatch
+from trace_lightning.budget import Budget
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine

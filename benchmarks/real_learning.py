@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 
 from trace_lightning import config
 from trace_lightning import warmstart as ws
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.callbacks import BUDGET_UNITS, budget_row, rollout_metrics, running_sums
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.math_tool import MathToolEnv

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from trace_lightning.advantages import TreeGRPO
-from trace_lightning.allocation import Budget
+from trace_lightning.budget import Budget
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.models import build_policy

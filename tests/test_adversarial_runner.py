@@ -34,7 +34,7 @@ from test_runner import (
 )
 
 from trace_lightning import runner as runner_module
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.callbacks import _key_safe
 from trace_lightning.envs.base import Transition
 from trace_lightning.envs.chain import ChainEnv

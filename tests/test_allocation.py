@@ -6,16 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_lightning import allocation as alloc
-from trace_lightning.allocation import (
-    Budget,
-    BudgetError,
-    BudgetExceeded,
-    BudgetLedger,
-    PrefixCandidate,
-    solve_prefixes,
-    solve_roots,
-    v_root,
-)
+from trace_lightning.allocation import PrefixCandidate, solve_prefixes, solve_roots, v_root
+from trace_lightning.budget import Budget, BudgetError
 
 
 def mixed_prob(v, m):
@@ -213,17 +205,6 @@ def test_clear_errors():
         alloc.TreeAllocator("bad", alloc.UniformRoots(2), None, expansion=1)
 
 
-def test_ledger_refuses_overspending():
-    ledger = BudgetLedger(Budget(leaves=4, max_tokens=10))
-    ledger.reserve_leaves(3, "bare")
-    with pytest.raises(BudgetExceeded):
-        ledger.reserve_leaves(2, "expand")
-    ledger.charge_tokens(10, "bare", 1)
-    assert ledger.tokens_left() == 0
-    with pytest.raises(BudgetExceeded):
-        ledger.charge_tokens(1, "expand", 2)
-
-
 def test_beta_prior_cold_start():
     prior = alloc.BetaPrior(alpha=1, beta=1, warmup=2)
     assert prior.active(0) and prior.active(1) and not prior.active(2)
@@ -272,14 +253,3 @@ def test_root_only_ablation_takes_traces_stage1_breadth():
     assert (wide > 0).sum() > (alloc.trace_root_only(1, 2, 8).allocate_roots(v, budget, rng) > 0).sum()
     with pytest.raises(BudgetError, match="allocator.breadth"):
         alloc.trace_root_only(breadth=-1.0)
-
-
-def test_leaves_for_tokens_by_hand():
-    """budget.unit=tokens: worked by hand from the rule (90% of max_tokens at the last cost per leaf)."""
-    budget = alloc.Budget(48, 1200, "tokens")
-    assert alloc.leaves_for_tokens(budget, None, 3, 3) == 24  # nothing measured: half of budget.leaves
-    assert alloc.leaves_for_tokens(budget, (24, 800, False), 3, 3) == 30  # 1080 / (800 / 24) = 32.4
-    assert alloc.leaves_for_tokens(budget, (24, 1200, True), 3, 3) == 21  # bound: one step fewer
-    assert alloc.leaves_for_tokens(budget, (24, 100, False), 3, 3) == 48  # cheap leaves: at most 48
-    assert alloc.leaves_for_tokens(budget, (48, 12000, False), 3, 6) == 6  # dear leaves: at least 6
-    assert alloc.leaves_for_tokens(alloc.Budget(50, 1200, "tokens"), None, 4, 4) == 24  # a multiple of 4

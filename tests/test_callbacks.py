@@ -12,7 +12,7 @@ from helpers import quiet_trainer, rollout_data, trace_module
 from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning import allocation as alloc
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.callbacks import (
     BUDGET_UNITS,
     PredictorCalibration,

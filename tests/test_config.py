@@ -13,7 +13,8 @@ from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf
 
 from trace_lightning import config
-from trace_lightning.allocation import Budget, TreeAllocator
+from trace_lightning.allocation import TreeAllocator
+from trace_lightning.budget import Budget
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUP_OPTIONS = [

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.envs.bfcl.checker import call_overlap, compare_states, missing_results

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.actions import MAX_ARGUMENT_CHARS
 from trace_lightning.envs.base import Task, Transition

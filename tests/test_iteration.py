@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_lightning import allocation as alloc
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.envs.synthetic import make_tasks, true_value
 from trace_lightning.iteration import Shard, balance, build_trees, prefix_candidates
 from trace_lightning.simulator import ChainSimulator, oracle_scores, state_of
@@ -83,7 +84,7 @@ def test_oracle_value_matches_monte_carlo():
     rng = np.random.default_rng(0)
     sim = ChainSimulator({5: task})
     tree = RolloutTree(5)
-    ledger = alloc.BudgetLedger(alloc.Budget(4000))
+    ledger = BudgetLedger(Budget(4000))
     from trace_lightning.iteration import Branch
 
     sim([Branch(tree, 0, 4000, "bare")], ledger, rng)

@@ -16,7 +16,8 @@ from mlflow.tracking import MlflowClient
 from omegaconf.errors import ValidationError
 
 from trace_lightning import config, trainer
-from trace_lightning.allocation import BudgetError, TreeAllocator
+from trace_lightning.allocation import TreeAllocator
+from trace_lightning.budget import BudgetError
 from trace_lightning.models import prepare_smollm2
 from trace_lightning.warmstart import policy_path
 

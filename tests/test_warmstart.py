@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from trace_lightning import config, trainer
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.demos import demonstrations
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from torchmetrics.functional.classification import binary_auroc, binary_calibration_error
 
 from trace_lightning import gauges
-from trace_lightning.allocation import BudgetError, BudgetLedger
+from trace_lightning.budget import BudgetError, BudgetLedger
 from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.evaluation import EvalResult, EvalSettings, paired_change

@@ -19,21 +19,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from trace_lightning.allocation import (
-    BetaPrior,
-    Budget,
-    BudgetError,
-    BudgetLedger,
-    TreeAllocator,
-    leaves_for_tokens,
-)
+from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
+from trace_lightning.budget import Budget, BudgetError, BudgetLedger, plan_leaves
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, HasAttributes, split_tasks
@@ -272,30 +267,15 @@ class RolloutCollector:
         return batches
 
     def _iteration_budget(self) -> Budget:
-        """This iteration's budget: `budget` itself, or under `budget.unit=tokens` its leaves derived from
-        what the last iteration's leaves cost (`allocation.leaves_for_tokens`), capped by max_tokens."""
-        if self.budget.unit != "tokens":
-            return self.budget
+        """This iteration's budget (`budget.plan_leaves`): under `budget.unit=tokens` never fewer leaves
+        than the unbiased slice takes."""
         step = self.allocator.leaf_step()
         slice_leaves = (
             self.selection.explore_groups * self.selection.explore_size * (1 + self.allocator.expansion)
         )
         least = max(step, -(-slice_leaves // step) * step)
-        leaves = leaves_for_tokens(self.budget, self._spent, step, least)
-        while leaves > least and not self._splittable(leaves):  # e.g. Stage 1's groups all of one size
-            leaves -= step
-        return Budget(leaves, self.budget.max_tokens)
-
-    def _splittable(self, leaves: int) -> bool:
-        """Whether the allocator can spend exactly `leaves` over a pool of this size: tried on a
-        throwaway RNG, so the run's own draws are untouched."""
-        try:
-            self.allocator.allocate_roots(
-                np.full(self.pool_size, 0.5), Budget(leaves), np.random.default_rng(0)
-            )
-        except BudgetError:
-            return False
-        return True
+        can_spend = partial(self.allocator.can_spend, pool_size=self.pool_size)
+        return plan_leaves(self.budget, self._spent, step, least, can_spend)
 
     def _plan(
         self, module: Learner, runner: ReActRunner, processes: Processes, budget: Budget

@@ -23,7 +23,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from trace_lightning.allocation import BetaPrior, Budget
+from trace_lightning.allocation import BetaPrior
+from trace_lightning.budget import Budget
 from trace_lightning.data import DataSettings
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.sandbox import SandboxLimits

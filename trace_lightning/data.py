@@ -17,8 +17,9 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from trace_lightning.advantages import Estimator, TreeGRPO
-from trace_lightning.allocation import BetaPrior, Budget, TreeAllocator
+from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch
+from trace_lightning.budget import Budget
 from trace_lightning.collector import EngineFactory, IterationReport, Learner, RolloutCollector
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import SamplingParams

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from trace_lightning.allocation import Budget, BudgetLedger
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.iteration import Iteration, Shard
 from trace_lightning.runner import RolloutCounters
 

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from trace_lightning.allocation import Budget, BudgetLedger, PrefixCandidate, TreeAllocator
+from trace_lightning.allocation import PrefixCandidate, TreeAllocator
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.pricing import FlipRates, fill_best, probe, signal_leaves, solve_priced
 from trace_lightning.tree import RolloutTree, Stage, backup
 

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from trace_lightning.allocation import BudgetLedger
+from trace_lightning.budget import BudgetLedger
 from trace_lightning.chat import observation_parts, prompt_ids
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment, Task, Transition

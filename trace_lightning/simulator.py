@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trace_lightning.allocation import BudgetLedger
+from trace_lightning.budget import BudgetLedger
 from trace_lightning.envs.synthetic import CORRECT, WRONG, ChainTask, true_value
 from trace_lightning.iteration import Branch
 from trace_lightning.tree import RolloutTree
