@@ -141,3 +141,16 @@ def test_shards_split_one_global_allocation(world):
     owned = [t.task_id for p in parts for t in p.trees]
     assert sorted(owned) == sorted(np.array(pool_ids)[counts > 0].tolist())  # each active prompt once
     assert sum(p.ledger.leaves_used for p in parts) == 48
+
+
+def test_roots_record_the_prediction_they_are_given_not_stage_1s_estimates():
+    """One writer for `root.predicted`: Stage 1 runs on `root_scores`, the roots record `root_predicted`."""
+    rng = np.random.default_rng(0)
+    pool = [RolloutTree(int(i)) for i in rng.choice(len(TASKS), size=16, replace=False)]
+    estimates = np.linspace(0.05, 0.95, 16)
+    it = build_trees(
+        pool, alloc.trace(2), Budget(24), oracle, ChainSimulator(TASKS), rng,
+        root_scores=estimates, root_predicted=np.full(16, 0.3),
+    )  # fmt: skip
+    assert [t.root.predicted for t in pool] == [0.3] * 16
+    assert it.pool_predicted.tolist() == estimates.tolist()  # what Stage 1 allocated on

@@ -327,10 +327,9 @@ class RolloutCollector:
             plan.reserved,
             plan.steer,
             self.flips,
+            root_predicted=plan.predicted,  # gauges judge the predictor's output, not Stage 1's estimates
         )
         self._sampling_rng = torch.get_rng_state()
-        for tree, v in zip(plan.pool, plan.predicted, strict=True):  # gauges judge the predictor's output
-            tree.root.predicted = float(v)
         runner.engine.sleep()  # frees accelerator memory for training (a no-op where there is none)
         return local, time.perf_counter() - plan.scored_at
 

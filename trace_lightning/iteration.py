@@ -93,6 +93,7 @@ def build_trees(
     reserved: np.ndarray | None = None,
     steer: bool = True,
     rates: FlipRates | None = None,
+    root_predicted: np.ndarray | None = None,
 ) -> Iteration:
     """Spend `budget` over `pool` (fresh trees holding only their prompt) with `allocator`.
 
@@ -104,6 +105,9 @@ def build_trees(
     spends the whole budget on bare rollouts and Stage 2 does not run (`TreeAllocator.closes`). With the
     allocator's `pricing`, Stage 2 is priced on `rates` (required then) and what it does not spend
     becomes more root groups on candidates Stage 1 left out (`_expand_priced`).
+    `root_predicted` [P]: what each root records as its prediction (`RolloutTree.root.predicted`, what
+    gauges judge; e.g. the calibrated predictor's output where Stage 1 ran on exploration estimates);
+    by default the scores Stage 1 ran on.
     """
     ledger = BudgetLedger(budget)
     if shard is not None:
@@ -113,7 +117,8 @@ def build_trees(
     else:
         predicted = np.concatenate(_checked(score(pool, [[0]] * len(pool)), "roots")) if pool else np.zeros(0)
     counts = allocator.allocate_roots(predicted, budget, rng, reserved, steer)
-    for tree, v in zip(pool, predicted, strict=True):
+    recorded = predicted if root_predicted is None else np.asarray(root_predicted, dtype=np.float64)
+    for tree, v in zip(pool, recorded, strict=True):
         tree.root.predicted = float(v)
     owner = np.zeros(len(pool), dtype=np.int64) if shard is None else balance(counts, shard.world)
     mine = [i for i, m in enumerate(counts) if m > 0 and owner[i] == (0 if shard is None else shard.rank)]
