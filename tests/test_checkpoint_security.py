@@ -109,27 +109,41 @@ class Planted:
 # --------------------------------------------------------------------------- one file
 
 
+def _with_planted_pickle(good: Path, path: Path, evil_pickle: bytes, *, before: bool) -> None:
+    """Copy `good` to `path` with `archive/DATA.PKL` (the evil pickle) next to the real data.pkl."""
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for info in src.infolist():
+            planted = info.filename.endswith("/data.pkl")
+            if planted and before:
+                out.writestr(info.filename[: -len("data.pkl")] + "DATA.PKL", evil_pickle)
+            out.writestr(info.filename, src.read(info.filename))
+            if planted and not before:
+                out.writestr(info.filename[: -len("data.pkl")] + "DATA.PKL", evil_pickle)
+    write_digest(path)
+
+
 def test_a_zip_whose_pickle_torch_and_zipfile_read_differently_is_refused(
     trained: Path, tmp_path: Path
 ) -> None:
     """torch's zip reader finds `data.pkl` case-insensitively: put `archive/DATA.PKL` (importing
-    torch.device, which torch's weights_only list allows and ours does not) before the real one, and
-    torch loads it while a zipfile scan reads the real one."""
+    torch.device, which torch's weights_only list allows and ours does not) beside the real one, and
+    torch may load it while a zipfile scan reads the real one. Which of the two torch finds depends
+    on where a binary search over the sorted names lands (so on how many entries the archive has):
+    both placements are built, torch must read the planted one in at least one, and both are refused."""
     ckpt = torch.load(trained, weights_only=True)
     evil = io.BytesIO()
     torch.save({**ckpt, "planted": torch.device("cpu")}, evil)  # same tensors, so the same storages
     evil_pickle = zipfile.ZipFile(evil).read("archive/data.pkl")
-    path = tmp_path / trained.name
-    with zipfile.ZipFile(trained) as good, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
-        for info in good.infolist():
-            if info.filename.endswith("/data.pkl"):
-                out.writestr(info.filename[: -len("data.pkl")] + "DATA.PKL", evil_pickle)
-            out.writestr(info.filename, good.read(info.filename))
-    write_digest(path)
-    assert "planted" in torch.load(path, weights_only=True)  # the control: torch reads the planted one
-    with pytest.raises(CheckpointError) as err:
-        validate_checkpoint(path)
-    assert err.value.reason == "ambiguous_archive" and path.name in str(err.value)
+    torch_read_planted = []
+    for before in (True, False):
+        path = tmp_path / ("before" if before else "after") / trained.name
+        path.parent.mkdir()
+        _with_planted_pickle(trained, path, evil_pickle, before=before)
+        torch_read_planted.append("planted" in torch.load(path, weights_only=True))
+        with pytest.raises(CheckpointError) as err:
+            validate_checkpoint(path)
+        assert err.value.reason == "ambiguous_archive" and path.name in str(err.value)
+    assert any(torch_read_planted)  # the control: some placement makes torch read the planted one
 
 
 def test_a_file_swapped_after_its_check_is_not_what_loads(
