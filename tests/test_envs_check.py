@@ -83,6 +83,19 @@ def test_the_check_command_reports_the_example_ok():
     assert "env=capitals: OK" in proc.stdout
 
 
+def test_the_old_command_line_fails_naming_the_new_one():
+    """`python -m trace_lightning.envs.check` moved to `trace_lightning.check` (envs/ may not read the
+    config); the old one must not exit 0 as if it had checked something."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_lightning.envs.check", "env=capitals"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1 and "python -m trace_lightning.check" in proc.stderr
+
+
 def test_the_check_cuts_observations_where_the_runner_does_by_default():
     """envs/check.py writes the runner's defaults out instead of importing the runner (envs/ stands
     alone); they must stay the runner's."""
