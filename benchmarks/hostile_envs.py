@@ -6,7 +6,7 @@
    `\\ud800` (a lone surrogate), and one that returns 4,000 characters of a 4-token code point. Prints
    whether the fit finished, the episodes by stop reason, and the longest episode in tokens against
    `data.max_episode_tokens`.
-2. The checker's command line (`python -m trace_lightning.envs.check`) on those environments and on one
+2. The checker's command line (`python -m trace_lightning.check`) on those environments and on one
    whose step never returns: its exit status, its wall time and the problems it names.
 3. A typed tool called with the schema-violating arguments `{"a": "x" * 15000, "b": 80000}`: the time
    to its tool-error observation and the process's memory growth over 1,000 calls.
@@ -141,7 +141,7 @@ def check(env: str) -> dict[str, Any]:
     here = Path(__file__).parent
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "trace_lightning.envs.check", f"env._target_=hostile_envs.{env}", "env=chain"],
+        [sys.executable, "-m", "trace_lightning.check", f"env._target_=hostile_envs.{env}", "env=chain"],
         env={**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
         capture_output=True,
         text=True,

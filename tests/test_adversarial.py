@@ -24,10 +24,9 @@ from typing import Any
 
 import pytest
 
-from trace_lightning.envs.base import Transition
+from trace_lightning.envs.base import Transition, transition_problem
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.envs.math_tool import MathToolEnv
-from trace_lightning.runner import transition_problem
 
 pytest.importorskip("bfcl_eval", reason="the BFCL data ships in bfcl-eval: run `make install`")
 

@@ -2,7 +2,7 @@
 which the check once passed or died on: an echo tool (a JSON escape becomes a lone surrogate the
 tokenizer cannot encode), a step that parses with argparse (SystemExit(2) killed the check's own
 command line) and a step that never returns (the check waited forever). Each problem must be named
-(environment, probe, cause), and `python -m trace_lightning.envs.check` must exit 1 within 60 s."""
+(environment, probe, cause), and `python -m trace_lightning.check` must exit 1 within 60 s."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from trace_lightning.check import main
 from trace_lightning.envs.base import Task, Transition
-from trace_lightning.envs.check import MAX_HANGS, check_environment, main
+from trace_lightning.envs.check import MAX_HANGS, check_environment
 from trace_lightning.envs.tools import ToolEnv
 
 NEVER = threading.Event()  # the hanging env waits on it; set only at teardown, to free the threads

@@ -1,14 +1,27 @@
-"""The pure core's import rule (docs/architecture.md "The pure core"): the allocation, tree, advantage,
-loss and gauge modules import only the standard library, numpy, torch and each other, never Lightning,
-Hydra, torch.distributed or a generation engine. The list of pure-core files is the Makefile's
-PURE_CORE (mypy --strict runs on exactly these)."""
+"""The package's import rules (docs/architecture.md "The pure core" and "Rooms").
+
+The pure core (the allocation, tree, advantage, loss and gauge modules) imports only the standard
+library, numpy, torch and each other, never Lightning, Hydra, torch.distributed or a generation engine.
+The list of pure-core files is the Makefile's PURE_CORE (mypy --strict runs on exactly these).
+
+The import graph, read with `ast` from every module (absolute and relative imports, at any depth, so
+an import inside a function counts): each subpackage folder (`envs/`, `engines/`, `checkpoints/`,
+`predictor/`) is one room and each top-level module its own. Rooms import each other without a circle,
+and so do modules; `envs/`, `engines/` and `checkpoints/` import nothing of the package outside
+themselves (a user's environment, an engine or the checkpoint code can be read, tested and reused
+alone); `predictor/` imports only the rooms named in PREDICTOR_MAY_IMPORT. Imports by string
+(`importlib.import_module`, Hydra's `_target_`) are not in the graph.
+"""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import subprocess
 import sys
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,53 +104,170 @@ def test_every_package_folder_is_installed():
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
 
 
-def _package_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, at any depth (function-level imports included, the
-    kind that hides a circle). `from pkg import sub` names the submodule, not the package."""
-    paths = {
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in (ROOT / "trace_lightning").rglob("*.py")
-    }
-    graph: dict[str, set[str]] = {}
-    for module, path in paths.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                subs = [f"{node.module}.{a.name}" for a in node.names]
-                names = [s for s in subs if s in paths] or [node.module]
-            for name in names:
-                while name and name not in paths:
+# ---------------------------------------------------------------------------------------- the rooms
+
+PACKAGE = "trace_lightning"
+STANDALONE = ("envs", "engines", "checkpoints")  # rooms that import nothing of the package but themselves
+# What predictor/ imports today, and may: the tree and its backup, BetaPrior (allocation), the head's MSE
+# (losses), right_pad (batching) and the shared-prefix KV fan-out (engines/kv.py). All framework-free;
+# batching and engines are not in the Makefile's PURE_CORE, but neither imports Lightning or Hydra, and
+# the graph holds none of the orchestration (collector, data, module, trainer) under them.
+PREDICTOR_MAY_IMPORT = {"tree", "allocation", "losses", "batching", "engines"}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`source` imports `target` (both module names) at `source`'s line `line`."""
+
+    source: str
+    target: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line} imports {self.target}"
+
+
+def package_modules(root: Path, package: str) -> dict[str, Path]:
+    """Module name -> file, for every module of `package` under `root` (a package is its __init__)."""
+    out = {}
+    for path in (root / package).rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported(
+    module: str, path: Path, node: ast.Import | ast.ImportFrom, known: dict[str, Path]
+) -> list[str]:
+    """The names one import statement brings in: `import a.b` names a.b; `from a import b` names the
+    submodule a.b when there is one (else a); a relative import is resolved against `module`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    source = node.module or ""
+    if node.level:  # `from . import x` in pkg/envs/check.py is pkg.envs.x; `from .. import x`, pkg.x
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = here[: len(here) - node.level + 1]
+        source = ".".join([*base, source] if source else base)
+    subs = [f"{source}.{a.name}" for a in node.names]
+    return [s for s in subs if s in known] or [source]
+
+
+def import_edges(root: Path, package: str = PACKAGE) -> list[Edge]:
+    """Every import of a package module by another, at any depth of the importing file."""
+    known = package_modules(root, package)
+    edges = []
+    for module, path in sorted(known.items()):
+        statements = ast.walk(ast.parse(path.read_text(), str(path)))  # every depth: functions too
+        for node in (n for n in statements if isinstance(n, ast.Import | ast.ImportFrom)):
+            for name in _imported(module, path, node, known):
+                while name and name not in known:  # `a.b.SomeClass` -> module a.b
                     name = name.rpartition(".")[0]
                 if name and name != module:
-                    found.add(name)
-        graph[module] = found
-    return graph
+                    edges.append(Edge(module, name, node.lineno))
+    return edges
 
 
-def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
-    """Modules that reach themselves, grouped by the set they reach each other through."""
-    reach = {m: set(deps) for m, deps in graph.items()}
-    changed = True
-    while changed:  # transitive closure; ~80 modules
-        changed = False
-        for m, seen in reach.items():
-            grown = seen.union(*(reach.get(d, set()) for d in seen))
-            if grown != seen:
-                reach[m], changed = grown, True
-    both_ways = {m: {d for d in reach[m] if m in reach.get(d, set())} for m in reach if m in reach[m]}
-    loops = {frozenset({m} | others) for m, others in both_ways.items()}
-    return [set(loop) for loop in loops]
+def room(module: str) -> str:
+    """`pkg.envs.tools` -> "envs" (a folder is one room), `pkg.runner` -> "runner", `pkg` -> "pkg"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_the_package_has_no_import_circle():
-    """A package move once opened two (checkpoints <-> checkpoint_shards, trainer <-> warmstart) that
-    function-level imports hid; a new one, hidden or not, fails here naming its modules."""
-    assert _circles(_package_graph()) == []
+def room_edges(edges: list[Edge]) -> dict[str, dict[str, list[Edge]]]:
+    """Room -> the rooms it imports -> the module imports that make each such edge."""
+    out: dict[str, dict[str, list[Edge]]] = {}
+    for e in edges:
+        if room(e.source) != room(e.target):
+            out.setdefault(room(e.source), {}).setdefault(room(e.target), []).append(e)
+    return out
 
 
-def test_the_circle_check_finds_a_hidden_circle():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}  # d only reaches the circle
-    assert _circles(graph) == [{"a", "b", "c"}]
+def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """One cycle of `graph` as its path, first node repeated at the end (["a", "b", "a"]), or []."""
+    state: dict[str, str] = {}  # "open" while on the depth-first path, "done" once fully explored
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def circle_report(cycle: list[str], edges: dict[str, dict[str, list[Edge]]]) -> str:
+    """The cycle, and for each of its steps the imports that make it."""
+    steps = [f"  {a} -> {b}: " + "; ".join(map(str, edges[a][b])) for a, b in itertools.pairwise(cycle)]
+    return "import circle " + " -> ".join(cycle) + "\n" + "\n".join(steps)
+
+
+def outside_imports(edges: list[Edge], inside: str, allowed: Collection[str] = ()) -> list[str]:
+    """The imports by room `inside` of any other room not in `allowed`."""
+    return [str(e) for e in edges if room(e.source) == inside and room(e.target) not in {inside, *allowed}]
+
+
+EDGES = import_edges(ROOT)
+
+
+def test_the_walk_sees_the_package():
+    """The graph is not empty by accident: imports at the top, inside a function and by `from pkg import
+    module` are all edges."""
+    rooms = room_edges(EDGES)
+    folders = {room(m) for m in package_modules(ROOT, PACKAGE)}
+    assert {*STANDALONE, "predictor"} <= folders
+    assert "warmstart" in rooms["trainer"]
+    assert "config" in rooms["trainer"]  # `from trace_lightning import config`
+    assert "envs" in rooms["runner"] and "tree" in rooms["predictor"]
+
+
+def test_the_rooms_import_each_other_without_a_circle():
+    rooms = room_edges(EDGES)
+    cycle = find_cycle(rooms)
+    assert not cycle, circle_report(cycle, rooms)
+
+
+def test_the_modules_import_each_other_without_a_circle():
+    """Inside a room too (a circle checkpoints.py <-> checkpoint_shards.py once hid behind a function-level
+    import; so did trainer.py <-> warmstart.py)."""
+    modules: dict[str, dict[str, list[Edge]]] = {}
+    for e in EDGES:
+        modules.setdefault(e.source, {}).setdefault(e.target, []).append(e)
+    cycle = find_cycle(modules)
+    assert not cycle, circle_report(cycle, modules)
+
+
+@pytest.mark.parametrize("inside", STANDALONE)
+def test_a_standalone_room_imports_nothing_of_the_package_outside_itself(inside):
+    assert outside_imports(EDGES, inside) == []
+
+
+def test_the_predictor_imports_only_the_core_it_names():
+    assert outside_imports(EDGES, "predictor", PREDICTOR_MAY_IMPORT) == []
+
+
+def test_the_rules_catch_a_circle_and_an_outside_import_hidden_in_a_function(tmp_path):
+    """The checker can fail: a standalone room that imports the config inside a function, relatively,
+    closes a circle through a top-level module that imports the room."""
+    (tmp_path / "pkg/envs").mkdir(parents=True)
+    (tmp_path / "pkg/__init__.py").write_text("")
+    (tmp_path / "pkg/envs/__init__.py").write_text("from pkg.envs.base import Task\n")
+    (tmp_path / "pkg/envs/base.py").write_text("Task = int\n")
+    (tmp_path / "pkg/envs/check.py").write_text("def main():\n    from .. import config\n")
+    (tmp_path / "pkg/config.py").write_text("import pkg.envs.base\n")
+    edges = import_edges(tmp_path, "pkg")
+    assert outside_imports(edges, "envs") == ["pkg.envs.check:2 imports pkg.config"]
+    rooms = room_edges(edges)
+    assert find_cycle(rooms) == ["config", "envs", "config"]
+    assert "pkg.envs.check:2 imports pkg.config" in circle_report(find_cycle(rooms), rooms)
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []

@@ -20,9 +20,10 @@ from trace_lightning import config
 from trace_lightning.demos import demonstrations
 from trace_lightning.envs.base import Task, Transition
 from trace_lightning.envs.chain import ChainEnv
-from trace_lightning.envs.check import check_environment
+from trace_lightning.envs.check import RUNNER_EPISODE_TOKENS, RUNNER_OBSERVATION_CHARS, check_environment
 from trace_lightning.envs.decisive import DecisiveEnv
 from trace_lightning.envs.math_tool import MathToolEnv
+from trace_lightning.runner import EpisodeLimits
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "capitals"
@@ -71,7 +72,7 @@ def test_the_example_environment_plugs_into_the_config_the_check_and_the_warm_st
 
 def test_the_check_command_reports_the_example_ok():
     proc = subprocess.run(
-        [sys.executable, "-m", "trace_lightning.envs.check", "env=capitals", SEARCHPATH],
+        [sys.executable, "-m", "trace_lightning.check", "env=capitals", SEARCHPATH],
         capture_output=True,
         text=True,
         timeout=300,
@@ -80,6 +81,27 @@ def test_the_check_command_reports_the_example_ok():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "env=capitals: OK" in proc.stdout
+
+
+def test_the_old_command_line_fails_naming_the_new_one():
+    """`python -m trace_lightning.envs.check` moved to `trace_lightning.check` (envs/ may not read the
+    config); the old one must not exit 0 as if it had checked something."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_lightning.envs.check", "env=capitals"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1 and "python -m trace_lightning.check" in proc.stderr
+
+
+def test_the_check_cuts_observations_where_the_runner_does_by_default():
+    """envs/check.py writes the runner's defaults out instead of importing the runner (envs/ stands
+    alone); they must stay the runner's."""
+    defaults = EpisodeLimits()
+    assert defaults.max_observation_chars == RUNNER_OBSERVATION_CHARS
+    assert defaults.max_episode_tokens == RUNNER_EPISODE_TOKENS
 
 
 class Broken:

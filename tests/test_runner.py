@@ -29,7 +29,8 @@ from trace_lightning.advantages import ESTIMATORS
 from trace_lightning.batching import RolloutBatch
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
-from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.base import Task, Transition, transition_problem
+from trace_lightning.envs.calls import StepTimeout, call_with_timeout
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.losses import LossSettings, TokenMean, clipped_surrogate
 from trace_lightning.module import ModuleSettings, NonFiniteTrainingError, TraceModule
@@ -37,9 +38,6 @@ from trace_lightning.runner import (
     TRUNCATION_MARK,
     EpisodeLimits,
     ReActRunner,
-    StepTimeout,
-    call_with_timeout,
-    transition_problem,
 )
 
 SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0)

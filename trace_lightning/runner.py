@@ -29,21 +29,19 @@ metric keys, so they are normalised where they enter (`stop_reason_key`).
 from __future__ import annotations
 
 import math
-import numbers
 import re
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from trace_lightning.budget import BudgetLedger
 from trace_lightning.chat import observation_parts, prompt_ids
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
-from trace_lightning.envs.base import Environment, Task, Transition
+from trace_lightning.envs.base import Environment, Task, Transition, transition_problem
+from trace_lightning.envs.calls import MAX_ERROR_CHARS, StepTimeout, call_with_timeout, describe_error
 from trace_lightning.iteration import Branch
 from trace_lightning.tree import RolloutTree, Stage
 
@@ -82,89 +80,10 @@ class RolloutCounters:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-T = TypeVar("T")
-_BOOL = (bool, np.bool_)  # numpy comparisons give np.bool_, which is as good a flag as bool
 TRUNCATION_MARK = " [...truncated]"
-MAX_ERROR_CHARS = 500  # an error message kept for the log; a huge one would only bloat the report
 MAX_STOP_REASON_CHARS = 64
 _NOT_KEY_SAFE = re.compile(r"[^A-Za-z0-9_-]")
 KNOWN_CONTEXT = 10**8  # a tokenizer's model_max_length above this is transformers' "unknown" (1e30)
-
-
-class StepTimeout(Exception):
-    """`env.step` did not return within the runner's `step_timeout`."""
-
-
-def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
-    """`fn()`, or `StepTimeout` when it has not returned after `timeout` seconds (None: no limit).
-
-    A Python thread cannot be killed, so a call that times out is abandoned: it keeps running in the
-    background until it returns by itself, and its result is dropped (environments are functional, so
-    it changes nothing we keep). It runs in a fresh daemon thread rather than a ThreadPoolExecutor
-    worker because the interpreter joins executor workers at exit: one hung step would keep the
-    finished training process alive forever. A fresh thread costs ~0.1 ms, nothing next to a turn of
-    generation. Tools that run code (the sandboxed python tool) enforce their own process timeout;
-    this one is the last line of defence, and it means `env.step` must not rely on running in the
-    main thread (no `signal.alarm`).
-
-    A call that returns after `timeout` is a `StepTimeout` too: a tool that holds the GIL (a C loop, a
-    huge integer power) keeps this thread from waking at its deadline, so `join` returns only once the
-    call is done, late. Accepting that result would reward a step that overran its bound.
-    """
-    if timeout is None:
-        return fn()
-    box: list[tuple[bool, Any, float]] = []
-    began = time.monotonic()
-
-    def target() -> None:
-        try:
-            box.append((True, fn(), time.monotonic()))
-        except BaseException as err:  # handed to the caller, who decides what is fatal
-            box.append((False, err, time.monotonic()))
-
-    thread = threading.Thread(target=target, name="env-step", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not box:
-        raise StepTimeout(f"env.step did not return within {timeout} s")
-    ok, value, ended = box[0]
-    if ended - began > timeout:
-        raise StepTimeout(f"env.step returned after {ended - began:.2f} s, past its {timeout} s")
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
-
-
-def transition_problem(tr: object) -> str | None:
-    """Why `tr` is not a transition the runner can use, or None when it is.
-
-    Nothing is clamped or coerced: a NaN reward or a reward of 1.7 is an environment bug, and training
-    on it would hide the bug while corrupting the advantages.
-    """
-    if not isinstance(tr, Transition):
-        return f"step returned {type(tr).__name__}, not a Transition"
-    if not isinstance(tr.done, _BOOL):
-        return f"done={tr.done!r} is not a bool"
-    if not isinstance(tr.observation, str):
-        return f"observation is {type(tr.observation).__name__}, not str"
-    if not (isinstance(tr.format_error, _BOOL) and isinstance(tr.tool_error, _BOOL)):
-        return f"format_error={tr.format_error!r} and tool_error={tr.tool_error!r} must be bools"
-    if tr.tool is not None and not isinstance(tr.tool, str):
-        return f"tool={tr.tool!r} is not a str or None"
-    if tr.done:
-        return _final_problem(tr.reward, tr.stop_reason)
-    return None
-
-
-def _final_problem(reward: object, stop_reason: object) -> str | None:
-    """A final transition needs a finite reward in [0, 1] and a string stop reason (or None)."""
-    if isinstance(reward, _BOOL) or not isinstance(reward, numbers.Real):
-        return f"done with reward={reward!r}: a final reward must be a number in [0, 1]"
-    if not (math.isfinite(reward) and 0.0 <= float(reward) <= 1.0):
-        return f"done with reward={reward!r}: a final reward must be finite and in [0, 1]"
-    if stop_reason is not None and not isinstance(stop_reason, str):
-        return f"stop_reason={stop_reason!r} is not a str"
-    return None
 
 
 def stop_reason_key(reason: str) -> str:
@@ -179,15 +98,6 @@ def context_tokens(tokenizer: Any) -> int | None:
     """The model's context in tokens, when its tokenizer knows it (`model_max_length`), else None."""
     size = getattr(tokenizer, "model_max_length", None)
     return size if isinstance(size, int) and 0 < size <= KNOWN_CONTEXT else None
-
-
-def describe_error(err: BaseException) -> str:
-    """`Type: message`, bounded, and safe even when the exception's own __str__ raises."""
-    try:
-        text = str(err)
-    except Exception:
-        text = "<unprintable>"
-    return f"{type(err).__name__}: {text}"[:MAX_ERROR_CHARS]
 
 
 @dataclass(frozen=True)

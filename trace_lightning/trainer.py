@@ -142,7 +142,7 @@ def check_env_at_start(env: Environment) -> None:
         return
     problems = check_environment(env, tasks=2)
     name = getattr(env, "name", type(env).__name__)
-    again = "rerun the check alone: python -m trace_lightning.envs.check env=..."
+    again = "rerun the check alone: python -m trace_lightning.check env=..."
     refused = [p for p in problems if not getattr(p, "contained", False)]
     if refused:
         listed = "\n".join(f"  - {p}" for p in problems)

@@ -8,10 +8,14 @@ dataclasses).
 An environment whose prompt differs by task beyond the user message (bfcl: each entry's function
 docs) may also define `prompt_ids(task, tokenizer) -> list[int]`; the runner and the warm start then
 use it instead of templating `system_prompt` and `task.question` (`runner.task_prompt_ids`).
+
+`transition_problem` says what the runner and `envs/check.py` both refuse in a `Transition`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -40,6 +44,41 @@ class Transition:
     format_error: bool = False  # the turn had no parseable action (an error observation explains why)
     tool: str | None = None  # the tool called this turn, if any
     tool_error: bool = False  # the tool was called but failed (bad argument, crash, timeout)
+
+
+_BOOL = (bool, np.bool_)  # numpy comparisons give np.bool_, which is as good a flag as bool
+
+
+def transition_problem(tr: object) -> str | None:
+    """Why `tr` is not a transition the runner can use, or None when it is.
+
+    Nothing is clamped or coerced: a NaN reward or a reward of 1.7 is an environment bug, and training
+    on it would hide the bug while corrupting the advantages.
+    """
+    if not isinstance(tr, Transition):
+        return f"step returned {type(tr).__name__}, not a Transition"
+    if not isinstance(tr.done, _BOOL):
+        return f"done={tr.done!r} is not a bool"
+    if not isinstance(tr.observation, str):
+        return f"observation is {type(tr.observation).__name__}, not str"
+    if not (isinstance(tr.format_error, _BOOL) and isinstance(tr.tool_error, _BOOL)):
+        return f"format_error={tr.format_error!r} and tool_error={tr.tool_error!r} must be bools"
+    if tr.tool is not None and not isinstance(tr.tool, str):
+        return f"tool={tr.tool!r} is not a str or None"
+    if tr.done:
+        return _final_problem(tr.reward, tr.stop_reason)
+    return None
+
+
+def _final_problem(reward: object, stop_reason: object) -> str | None:
+    """A final transition needs a finite reward in [0, 1] and a string stop reason (or None)."""
+    if isinstance(reward, _BOOL) or not isinstance(reward, numbers.Real):
+        return f"done with reward={reward!r}: a final reward must be a number in [0, 1]"
+    if not (math.isfinite(reward) and 0.0 <= float(reward) <= 1.0):
+        return f"done with reward={reward!r}: a final reward must be finite and in [0, 1]"
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        return f"stop_reason={stop_reason!r} is not a str"
+    return None
 
 
 class Environment(Protocol):

@@ -1,6 +1,6 @@
 """Check an environment before a long run: `check_environment(env)`, or from the command line
 
-    python -m trace_lightning.envs.check env=<your env> [hydra.searchpath=[file://path/to/conf]]
+    python -m trace_lightning.check env=<your env> [hydra.searchpath=[file://path/to/conf]]
 
 It plays a few tasks with the actions a policy really writes (its demonstration where the env has
 one, then malformed text: empty, untagged, unterminated and nested tags, every stop string, a
@@ -16,13 +16,16 @@ NaN. It checks what the runner relies on:
   raises, not even `SystemExit` (argparse exits on bad arguments): a bad action is an observation;
 - `step` is a function of (task, state, action): the same call twice gives the same transition, and
   calling it does not change the state it was given (re-entry at a prefix must replay exactly);
-- each call returns within `step_seconds`: it runs in a worker thread (`runner.call_with_timeout`, as
-  the runner runs it), so a step that blocks forever is reported, not waited on;
+- each call returns within `step_seconds`: it runs in a worker thread (`envs/calls.py`
+  `call_with_timeout`, as the runner runs it), so a step that blocks forever is reported, not waited on;
 - every observation the runner tokenises is UTF-8 text (a lone surrogate, e.g. a tool echoing the JSON
   escape "\\ud800", makes the tokenizer raise; the runner then shows "?" instead) of bounded length,
   in tokens too when a `tokenizer` is given.
 
 Every problem is reported at once, naming the environment, the probe, the task and what to fix.
+
+The module imports nothing from the package outside `envs/` (tests/test_architecture.py): what reads
+the train config, the command line above, is `trace_lightning/check.py`.
 """
 
 from __future__ import annotations
@@ -33,25 +36,22 @@ import functools
 import inspect
 import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trace_lightning.envs.base import Environment, Task, Transition
-from trace_lightning.runner import (
-    EpisodeLimits,
-    StepTimeout,
-    call_with_timeout,
-    describe_error,
-    transition_problem,
-)
+from trace_lightning.envs.base import Environment, Task, Transition, transition_problem
+from trace_lightning.envs.calls import StepTimeout, call_with_timeout, describe_error
 
 MAX_HANGS = 3  # calls abandoned before the check stops: each costs step_seconds; a hung env rarely recovers
 # The runner cuts observations to data.max_observation_chars (4,000 by default), so a longer one breaks
 # nothing by itself; one this long says a tool hands back unbounded input (it echoes a 100,000-character
 # argument), which the environment builds, and may keep in its states, at every step.
 MAX_OBSERVATION_CHARS = 20_000
-_DEFAULTS = EpisodeLimits()  # the runner's defaults: where observations are cut, the episode token cap
+# The runner's defaults (runner.EpisodeLimits, the `data` group): where it cuts an observation, and the
+# episode's token cap. Written out, not imported, so that envs/ needs nothing from the runner;
+# tests/test_envs_check.py fails when they drift apart.
+RUNNER_OBSERVATION_CHARS = 4000
+RUNNER_EPISODE_TOKENS = 768
 
 
 class EnvironmentCheckError(ValueError):
@@ -209,14 +209,16 @@ def check_environment(
     max_turns: int = 6,
     step_seconds: float = 5.0,
     tokenizer: Any = None,
-    max_observation_tokens: int = _DEFAULTS.max_episode_tokens,
+    max_observation_tokens: int = RUNNER_EPISODE_TOKENS,
+    max_observation_chars: int = RUNNER_OBSERVATION_CHARS,
 ) -> list[str]:
     """Problems found on the first `tasks` tasks (an empty list: none); see the module docstring.
 
     `tokenizer` (optional; the trainer checks before any model exists) also counts each observation's
-    tokens, as the runner feeds it (cut to data.max_observation_chars), against `max_observation_tokens`
-    (default: the runner's default episode token cap, which such an observation alone fills)."""
-    checker = _Checker(env, max_turns, step_seconds, tokenizer, max_observation_tokens)
+    tokens, as the runner feeds it (cut to `max_observation_chars`, data.max_observation_chars), against
+    `max_observation_tokens` (default: the runner's default episode token cap, which such an
+    observation alone fills)."""
+    checker = _Checker(env, max_turns, step_seconds, tokenizer, max_observation_tokens, max_observation_chars)
     name = str(getattr(env, "name", type(env).__name__))
     problems = [f"env={name}: {p}" for p in _attribute_problems(env)]
     all_tasks, failed = checker.call(lambda: list(env.tasks()), "tasks()")
@@ -284,6 +286,7 @@ class _Checker:
     step_seconds: float
     tokenizer: Any
     max_observation_tokens: int
+    max_observation_chars: int
     hangs: int = 0
 
     def call(self, fn: Callable[[], Any], what: str, fix: str = "") -> tuple[Any, str | None]:
@@ -301,7 +304,7 @@ class _Checker:
             )
         except (Exception, SystemExit) as err:
             hint = EXIT_FIX if isinstance(err, SystemExit) else ""
-            return None, f"{what} raised {_visible(describe_error(err))}" + (f": {fix}{hint}" if fix else "")
+            return None, f"{what} raised {visible(describe_error(err))}" + (f": {fix}{hint}" if fix else "")
 
     def run(self, tasks: Sequence[Task], probes: Sequence[Probe]) -> list[Found]:
         """Each task's demonstration, then each probe on each task until it finds a problem (one task
@@ -391,16 +394,16 @@ class _Checker:
     def token_problems(self, observation: str) -> list[str]:
         """The observation's tokens as the runner feeds it (cut to data.max_observation_chars, special
         tokens not parsed: runner.observation_ids), against `max_observation_tokens`."""
-        fed = observation[: _DEFAULTS.max_observation_chars]
+        fed = observation[: self.max_observation_chars]
         try:
             ids = self.tokenizer(fed, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         except Exception as err:
-            return [f"the tokenizer raised {_visible(describe_error(err))} on an observation: return text"]
+            return [f"the tokenizer raised {visible(describe_error(err))} on an observation: return text"]
         if len(ids) <= self.max_observation_tokens:
             return []
         return [
             f"an observation is {len(ids)} tokens (bound {self.max_observation_tokens}), as the runner "
-            f"feeds it (its first {_DEFAULTS.max_observation_chars} characters): by itself it fills an "
+            f"feeds it (its first {self.max_observation_chars} characters): by itself it fills an "
             "episode's token cap (data.max_episode_tokens); return less text"
         ]
 
@@ -414,7 +417,7 @@ def _surrogate_at(text: str) -> int | None:
     return None
 
 
-def _visible(text: str) -> str:
+def visible(text: str) -> str:
     """`text` with every control, format or surrogate character written as its escape (`\\x1b`, `\\n`),
     so an environment's error message cannot move the terminal's cursor or forge a line."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
@@ -424,26 +427,6 @@ def _same(a: Transition, b: Transition) -> bool:
     return dataclasses.astuple(a) == dataclasses.astuple(b)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m trace_lightning.envs.check <Hydra overrides>`: the train config's env, checked.
-    Exit status 0 when it passes, 1 when it has problems (each printed on one line)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    from trace_lightning import config
-
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    config.register()
-    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    env = instantiate(cfg.env)
-    problems = check_environment(env)
-    for p in problems:
-        print(f"- {_visible(p)}")
-    name = _visible(str(getattr(env, "name", type(env).__name__)))
-    print(f"env={name}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-    return 1 if problems else 0
-
-
+# The old command line says where it went, rather than exit 0 having checked nothing.
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("the check's command line moved: python -m trace_lightning.check env=<your env> ...")
