@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
+from trace_lightning import metrics
 from trace_lightning.callbacks import HeldOutSuccess, SuccessProbe
 from trace_lightning.collector import IterationReport
 from trace_lightning.evaluation import EvalResult, paired_change
@@ -146,19 +147,17 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
     """The summary row of one iteration's report."""
     trees = report.result.trees
     stats = [tree_stats(t, SUCCESS) for t in trees]
-    leaves = [t.nodes[leaf] for t in trees for leaf in t.leaves()]
-    n = max(len(leaves), 1)
     return IterationSummary(
         iteration=report.iteration,
-        success_rate=sum(float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves) / n,
-        effective_ratio=sum(s.mixed for s in stats) / max(len(stats), 1),
-        mixed_roots=sum(int(s.mixed) for s in stats),
-        mixed_prefixes=sum(sum(s.mixed_by_depth[1:]) for s in stats),
+        success_rate=metrics.success_rate(trees),
+        effective_ratio=metrics.effective_ratio(stats),
+        mixed_roots=metrics.mixed_roots(stats),
+        mixed_prefixes=metrics.mixed_prefixes(stats),
         leaves=report.result.ledger.leaves_used,
         tokens=report.result.ledger.tokens_used,
         prefill_tokens=report.engine_stats.prefill_tokens if report.engine_stats is not None else 0,
         tool_calls=report.counters.tool_calls,
-        turns_mean=sum(leaf.depth for leaf in leaves) / n,
+        turns_mean=metrics.turns_mean(trees),
         sample_seconds=report.sample_seconds,
         sync_seconds=report.sync_seconds,
         train_seconds=train_seconds,
