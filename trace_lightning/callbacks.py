@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning.artifacts import write_artifacts
 from trace_lightning.collector import IterationReport
+from trace_lightning.data import RolloutDataModule
 from trace_lightning.evaluation import EvalResult, EvalSettings, paired_change
 from trace_lightning.metrics import (
     budget_seconds,
@@ -35,8 +36,8 @@ from trace_lightning.metrics import (
 def latest_report(trainer: Trainer) -> IterationReport | None:
     """The report of the iteration the Trainer is on (None before the first, or without a
     RolloutDataModule)."""
-    datamodule = getattr(trainer, "datamodule", None)  # set by `fit(datamodule=...)`, not declared on Trainer
-    return getattr(datamodule, "report", None)
+    data = RolloutDataModule.of(trainer)
+    return None if data is None else data.report
 
 
 class RolloutStats(Callback):
@@ -134,18 +135,10 @@ class HeldOutSuccess(Callback):
             self._evaluate(trainer, pl_module, trained)
 
     def _evaluate(self, trainer: Trainer, pl_module: LightningModule, trained: int) -> None:
-        collector = getattr(getattr(trainer, "datamodule", None), "collector", None)
-        if collector is None or any(done == trained for done, _ in self.history):
+        data = RolloutDataModule.of(trainer)
+        if data is None or any(done == trained for done, _ in self.history):
             return
-        episodes = len(collector.eval_tasks(self.settings.tasks)) * self.settings.samples
-        bar = _episode_bar(trainer, f"evaluation after {trained} iterations", episodes)
-        try:
-            result = collector.evaluate(
-                pl_module, self.settings, None if bar is None else lambda: bar.update(1)
-            )
-        finally:
-            if bar is not None:
-                bar.close()
+        result = data.evaluate(pl_module, self.settings, f"evaluation after {trained} iterations")
         if result is None:  # data.held_out=0: nothing to evaluate on
             return
         self.history.append((trained, result))
@@ -165,13 +158,6 @@ class HeldOutSuccess(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [(int(t), _eval_result(r)) for t, r in state_dict.get("history", [])]
-
-
-def _episode_bar(trainer: Trainer, description: str, total: int) -> Any:
-    """A progress bar from the run's progress display when it offers one (`console.IterationProgress`,
-    only while enabled and with something to count), else None."""
-    open_bar = getattr(trainer.progress_bar_callback, "episode_bar", None)
-    return open_bar(description, total) if open_bar is not None and total > 0 else None
 
 
 def _eval_result(fields: dict[str, Any]) -> EvalResult:
@@ -209,17 +195,15 @@ class SuccessProbe(Callback):
         self.rates: list[tuple[int, list[int], np.ndarray, np.ndarray, np.ndarray]] = []
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        report, collector = (
-            latest_report(trainer),
-            getattr(getattr(trainer, "datamodule", None), "collector", None),
-        )
-        if report is None or collector is None or report.pool_ids is None:
+        data = RolloutDataModule.of(trainer)
+        report = None if data is None else data.report
+        if data is None or report is None or report.pool_ids is None:
             return
         if report.iteration % self.every_n_epochs or report.used_prior:
             return
         seed = self.seed + 2 * report.iteration
-        a = collector.probe(pl_module, report.pool_ids, self.half, seed)
-        b = collector.probe(pl_module, report.pool_ids, self.half, seed + 1)
+        a = data.probe(pl_module, report.pool_ids, self.half, seed)
+        b = data.probe(pl_module, report.pool_ids, self.half, seed + 1)
         counts = report.result.root_counts
         metrics = probe_metrics(report.result.pool_predicted, counts, a, b, self.half, self.max_per_prompt)
         self.history.append((report.iteration, metrics))
