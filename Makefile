@@ -107,11 +107,11 @@ docs: install  ## the documentation site into site/ (mkdocs, material theme; war
 	$(PY) -m pip install -q -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-lint: install  ## ruff lint and format check, mypy --strict on the pure core and the collector
+lint: install  ## ruff lint and format check, mypy --strict on the pure core, the collector and the metrics
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(PURE_CORE)
-	$(VENV)/bin/mypy --follow-imports=silent trace_lightning/collector.py
+	$(VENV)/bin/mypy --follow-imports=silent trace_lightning/collector.py trace_lightning/metrics.py
 
 format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -41,13 +41,13 @@ from omegaconf import DictConfig
 
 from trace_lightning import config, warmstart
 from trace_lightning.budget import Budget, BudgetLedger
-from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import split_tasks
 from trace_lightning.envs.bfcl import BFCLEnv
 from trace_lightning.envs.bfcl.data import SUBSETS, Entry
 from trace_lightning.evaluation import EvalSettings
 from trace_lightning.iteration import Branch
+from trace_lightning.metrics import rollout_metrics
 from trace_lightning.models import build_policy, build_tiny_model, prepare_gemma3, prepare_smollm2
 from trace_lightning.plots import draw_tree
 from trace_lightning.runner import EpisodeLimits, ReActRunner

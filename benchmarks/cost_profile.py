@@ -44,10 +44,10 @@ from common import (
 
 from trace_lightning import allocation as alloc
 from trace_lightning.budget import Budget
-from trace_lightning.callbacks import budget_spend
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.metrics import budget_spend
 from trace_lightning.module import TraceModule
 
 TARGET_SHARE = 0.05  # allocation + predictor, as a share of the iteration

@@ -62,12 +62,13 @@ from trace_lightning.advantages import ESTIMATORS, GRPO, TreeGRPO, node_advantag
 from trace_lightning.allocation import BetaPrior
 from trace_lightning.batching import collate, leaf_sequences
 from trace_lightning.budget import Budget
-from trace_lightning.callbacks import BUDGET_UNITS, SuccessProbe, budget_row, running_sums
+from trace_lightning.callbacks import SuccessProbe
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.decisive import TEACHER_SHIFT_ACCURACY, DecisiveEnv, teacher_pick
 from trace_lightning.iteration import Iteration, build_trees
+from trace_lightning.metrics import BUDGET_UNITS, budget_row, running_sums
 from trace_lightning.models import build_policy, build_tiny_model
 from trace_lightning.module import TraceModule
 from trace_lightning.predictor import PredictorSettings

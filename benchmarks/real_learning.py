@@ -17,7 +17,7 @@ on search_qa, the default token-F1 reward). The default job's task, math_tool, i
 4. Each method is built afresh from the same config but its allocator (same seed: same LoRA init, same
    first candidate pool) and fitted for `--iterations` epochs (one epoch = one TRACE iteration, the
    predictor's cold start and refit included). Per iteration, a callback reads `datamodule.report`
-   through `callbacks.rollout_metrics`, the function the product logs with.
+   through `metrics.rollout_metrics`, the function the product logs with.
 5. Held-out success after, with the same sampling seed as before: paired by task, so the standard
    error of the gain is that of the per-task differences.
 Every size is a flag and is written into the JSON; so are the figures per iteration.
@@ -42,9 +42,9 @@ from omegaconf import DictConfig
 from trace_lightning import config
 from trace_lightning import warmstart as ws
 from trace_lightning.budget import Budget, BudgetLedger
-from trace_lightning.callbacks import BUDGET_UNITS, budget_row, rollout_metrics, running_sums
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.iteration import Branch
+from trace_lightning.metrics import BUDGET_UNITS, budget_row, rollout_metrics, running_sums
 from trace_lightning.module import TraceModule
 from trace_lightning.runner import ReActRunner
 from trace_lightning.trainer import build

@@ -35,11 +35,11 @@ from test_runner import (
 
 from trace_lightning import runner as runner_module
 from trace_lightning.budget import Budget, BudgetLedger
-from trace_lightning.callbacks import _key_safe
 from trace_lightning.envs.base import Transition
 from trace_lightning.envs.calls import StepTimeout, call_with_timeout
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.iteration import Branch
+from trace_lightning.metrics import _key_safe
 from trace_lightning.module import TraceModule
 from trace_lightning.runner import (
     TRUNCATION_MARK,

@@ -12,26 +12,22 @@ from helpers import quiet_trainer, rollout_data, trace_module
 from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning import allocation as alloc
+from trace_lightning.artifacts import samples_markdown, tree_to_draw, write_artifacts
 from trace_lightning.budget import Budget, BudgetLedger
-from trace_lightning.callbacks import (
-    BUDGET_UNITS,
-    PredictorCalibration,
-    RolloutStats,
-    TreeArtifacts,
-    binary_scores,
-    budget_seconds,
-    budget_spend,
-    calibration_metrics,
-    rollout_metrics,
-    samples_markdown,
-    tree_to_draw,
-    write_artifacts,
-)
+from trace_lightning.callbacks import PredictorCalibration, RolloutStats, TreeArtifacts
 from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.iteration import Iteration
+from trace_lightning.metrics import (
+    BUDGET_UNITS,
+    binary_scores,
+    budget_seconds,
+    budget_spend,
+    calibration_metrics,
+    rollout_metrics,
+)
 from trace_lightning.plots import COLOURS, draw_tree, layout, outcome_colours
 from trace_lightning.runner import RolloutCounters
 from trace_lightning.tree import RolloutTree

@@ -11,11 +11,11 @@ import torch
 from chain_fixtures import make_data, make_module
 
 from trace_lightning import allocation as alloc
-from trace_lightning.callbacks import rollout_metrics
 from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.evaluation import EvalSettings
+from trace_lightning.metrics import rollout_metrics
 
 
 class CountingEngine(HFEngine):

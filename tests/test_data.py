@@ -12,9 +12,11 @@ import torch
 from chain_fixtures import DATA, fit, make_data, make_module
 
 from trace_lightning import allocation as alloc
+from trace_lightning.data import RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.evaluation import EvalSettings
 from trace_lightning.module import ModuleSettings
 
 
@@ -258,3 +260,66 @@ def test_split_seed_keeps_the_held_out_tasks_while_the_run_seed_changes():
     assert held[0] != held[1]  # the split follows the run's seed by default
     fixed = dataclasses.replace(DATA, split_seed=0)
     assert make_data(held_out=6, seed=1, settings=fixed).collector.held_out == held[0]
+
+
+# --------------------------------------------------------------------------- the observers' face
+
+
+def test_of_finds_the_rollout_datamodule_and_nothing_else():
+    data = make_data()
+    assert RolloutDataModule.of(L.Trainer(logger=False)) is None  # before `fit(datamodule=...)`
+    assert RolloutDataModule.of(None) is None
+
+    class Fitted:  # what `fit(datamodule=...)` leaves on a Trainer
+        def __init__(self, datamodule):
+            self.datamodule = datamodule
+
+    assert RolloutDataModule.of(Fitted(data)) is data
+    # a DataModule of another kind, even one with a `report`: observers then do nothing
+    other = L.LightningDataModule()
+    other.report = data.report
+    assert RolloutDataModule.of(Fitted(other)) is None
+
+
+class CountingProgress:
+    """An `EpisodeProgress`: counts sampling episodes and records the bars it opens."""
+
+    def __init__(self):
+        self.sampled, self.bars = 0, []
+
+    def episode_done(self):
+        self.sampled += 1
+
+    def episode_bar(self, description, total):
+        bar = CountingBar(description, total)
+        self.bars.append(bar)
+        return bar
+
+
+@dataclasses.dataclass
+class CountingBar:
+    description: str
+    total: int
+    n: int = 0
+    closed: bool = False
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_registered_progress_counts_sampling_and_evaluation_episodes(tiny_model_dir):
+    torch.manual_seed(0)
+    module, data, progress = make_module(tiny_model_dir), make_data(held_out=4), CountingProgress()
+    data.progress = progress  # what console.IterationProgress does in `setup`
+    data.build_iteration(module)
+    assert progress.sampled == data.report.result.ledger.leaves_used > 0  # one call per episode
+    result = data.evaluate(module, EvalSettings(samples=2), "evaluation after 1 iterations")
+    assert result is not None and result.episodes == 8  # 4 held-out tasks x 2 episodes
+    assert progress.bars == [CountingBar("evaluation after 1 iterations", 8, n=8, closed=True)]
+    sampled, data.progress = progress.sampled, None  # no display: the collector gets no hook
+    data.build_iteration(module)
+    assert data.evaluate(module, EvalSettings(samples=2), "unseen") is not None
+    assert progress.sampled == sampled and len(progress.bars) == 1

@@ -9,7 +9,7 @@ import torch
 from chain_fixtures import make_data, make_module
 
 from trace_lightning import allocation as alloc
-from trace_lightning.callbacks import calibration_metrics
+from trace_lightning.metrics import calibration_metrics
 from trace_lightning.predictor import FeatureScaler, PredictorFit, ReplayEntry, SuccessHead
 from trace_lightning.selection import Selection
 

@@ -9,9 +9,10 @@ The table leads with each run's held-out pass@1 and its standard error (the last
 `callbacks.HeldOutSuccess`), then names its base model and warm start. Training success per iteration
 follows which prompts were drawn, so it comes later. Allocators are compared at an equal budget, so the
 plots put a cumulative budget unit on the x-axis rather than iterations: leaves, generated tokens,
-prefill tokens, tool calls or seconds (`--x`; `callbacks.budget_spend`, `budget_seconds`). A run that
+prefill tokens, tool calls or seconds (`--x`; `metrics.budget_spend`, `budget_seconds`). A run that
 gets more out of each unit shows up as a curve that rises sooner. The metric keys are the ones
-`trace_lightning.callbacks` logs; the functions here only read them, and printing stays in `main`.
+`trace_lightning.callbacks` logs (computed in `trace_lightning.metrics`); the functions here only read
+them, and printing stays in `main`.
 
 A store's names, tags and values are read as hostile input (a run name is whatever its creator typed,
 or a model wrote): control characters print escaped (`\\x1b`, `\\n`), so no cell can recolour the
@@ -38,19 +39,15 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from trace_lightning.metrics import BUDGET_UNITS
 from trace_lightning.tree import RolloutTree
 
 HELD_OUT = "eval/pass_at_1"  # the headline: held-out success (its SE is logged as <key>_se)
 TRAINED = "eval/iterations_trained"  # logged with every evaluation: where it sits on a budget axis
 SUCCESS, EFFECTIVE = "rollout/success_rate", "rollout/effective_ratio"
 LEAVES, TOKENS = "budget/leaves", "budget/tokens"
-UNITS = {  # --x choices: the per-iteration key whose running sum is the x-axis
-    "leaves": LEAVES,
-    "tokens": TOKENS,
-    "prefill_tokens": "budget/prefill_tokens",
-    "tool_calls": "budget/tool_calls",
-    "seconds": "budget/seconds",
-}
+# --x choices: the per-iteration key whose running sum is the x-axis, one per budget unit
+UNITS = {unit: f"budget/{unit}" for unit in BUDGET_UNITS}
 TAGS = ("base_model", "warm_start", "allocator", "env")  # what the trainer tags every run with
 LOWER_IS_BETTER = ("brier", "ece", "mse", "loss", "kl")  # for these metrics "best" means the lowest
 SHORT_ID = 8

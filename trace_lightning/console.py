@@ -28,8 +28,10 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from trace_lightning.callbacks import HeldOutSuccess, SuccessProbe
+from trace_lightning import metrics
+from trace_lightning.callbacks import HeldOutSuccess, SuccessProbe, latest_report
 from trace_lightning.collector import IterationReport
+from trace_lightning.data import RolloutDataModule
 from trace_lightning.evaluation import EvalResult, paired_change
 from trace_lightning.tree import SUCCESS, tree_stats
 
@@ -146,19 +148,17 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
     """The summary row of one iteration's report."""
     trees = report.result.trees
     stats = [tree_stats(t, SUCCESS) for t in trees]
-    leaves = [t.nodes[leaf] for t in trees for leaf in t.leaves()]
-    n = max(len(leaves), 1)
     return IterationSummary(
         iteration=report.iteration,
-        success_rate=sum(float(leaf.reward or 0.0) >= SUCCESS for leaf in leaves) / n,
-        effective_ratio=sum(s.mixed for s in stats) / max(len(stats), 1),
-        mixed_roots=sum(int(s.mixed) for s in stats),
-        mixed_prefixes=sum(sum(s.mixed_by_depth[1:]) for s in stats),
+        success_rate=metrics.success_rate(trees),
+        effective_ratio=metrics.effective_ratio(stats),
+        mixed_roots=metrics.mixed_roots(stats),
+        mixed_prefixes=metrics.mixed_prefixes(stats),
         leaves=report.result.ledger.leaves_used,
         tokens=report.result.ledger.tokens_used,
         prefill_tokens=report.engine_stats.prefill_tokens if report.engine_stats is not None else 0,
         tool_calls=report.counters.tool_calls,
-        turns_mean=sum(leaf.depth for leaf in leaves) / n,
+        turns_mean=metrics.turns_mean(trees),
         sample_seconds=report.sample_seconds,
         sync_seconds=report.sync_seconds,
         train_seconds=train_seconds,
@@ -280,7 +280,7 @@ class RunSummary(Callback):
         self.rows, self._fit_start = [], time.perf_counter()
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        report = getattr(getattr(trainer, "datamodule", None), "report", None)
+        report = latest_report(trainer)
         # On resume the first epoch re-serves an iteration already trained on: not a new row.
         fresh = report is not None and all(r.iteration != report.iteration for r in self.rows)
         self._report, self._epoch_start = (report if fresh else None), time.perf_counter()
@@ -341,7 +341,8 @@ class IterationProgress(ProgressBar):
     """One bar per iteration: episodes finished while sampling, then training steps.
 
     The DataModule samples inside `train_dataloader()`, before any training hook of the epoch runs,
-    so the bar learns of each finished episode through `datamodule.on_episode_end`, which it sets.
+    so the bar registers itself as the DataModule's `progress` (a `data.EpisodeProgress`) and learns
+    of each finished episode through `episode_done`; the held-out evaluation counts on `episode_bar`.
     """
 
     def __init__(self) -> None:
@@ -362,17 +363,16 @@ class IterationProgress(ProgressBar):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # disables the bar on every process but the first
         quiet_known_warnings(trainer.world_size)
-        datamodule = getattr(trainer, "datamodule", None)
-        if datamodule is not None and hasattr(datamodule, "on_episode_end"):
-            datamodule.on_episode_end = self.episode_done
+        if (data := RolloutDataModule.of(trainer)) is not None:
+            data.progress = self
 
     def episode_done(self) -> None:
         if not self._enabled:
             return
         if self._bar is None:
             # With several processes each samples its share of the budget: no total to count towards.
-            leaves = getattr(getattr(self.trainer, "datamodule", None), "budget", None)
-            total = leaves.leaves if leaves is not None and self.trainer.world_size == 1 else None
+            data = RolloutDataModule.of(self.trainer)
+            total = data.budget.leaves if data is not None and self.trainer.world_size == 1 else None
             self._bar = self._open(f"iteration {self.trainer.current_epoch}: sampling", total, "episode")
         self._bar.update(1)
         self._sampled = self._bar.n
@@ -408,7 +408,7 @@ class IterationProgress(ProgressBar):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._bar is None:
             return
-        report = getattr(getattr(trainer, "datamodule", None), "report", None)
+        report = latest_report(trainer)
         if report is not None and report.iteration == trainer.current_epoch:
             row = iteration_summary(report, 0.0)
             self._bar.set_postfix(

@@ -5,15 +5,22 @@
 by the current policy (on-policy). The DataModule is the Lightning side only: the engine is started in
 `setup` and closed in `teardown`, and each epoch's batches come from `collector.RolloutCollector`,
 which owns the pool, the RNGs, the prior, the engine sync and the report.
+
+Observers (the callbacks, the console) reach the run's rollouts only through this class's typed face:
+`RolloutDataModule.of(trainer)`, then `report`, `budget`, `eval_tasks`/`evaluate` and `probe`. A
+progress display registers itself once as `progress` (an `EpisodeProgress`); the DataModule hands its
+per-episode hook to the collector while an iteration samples, and the held-out evaluation opens its
+bar from the same display.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
+import numpy as np
 from torch.utils.data import DataLoader
 
 from trace_lightning.advantages import Estimator, TreeGRPO
@@ -24,11 +31,12 @@ from trace_lightning.collector import EngineFactory, IterationReport, Learner, R
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import Environment
+from trace_lightning.evaluation import EvalResult, EvalSettings
 from trace_lightning.predictor import PredictorFit
 from trace_lightning.runner import EpisodeLimits
 from trace_lightning.selection import Selection
 
-__all__ = ["DataSettings", "IterationReport", "RolloutDataModule"]
+__all__ = ["DataSettings", "EpisodeBar", "EpisodeProgress", "IterationReport", "RolloutDataModule"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,26 @@ class DataSettings(EpisodeLimits):
             raise ValueError(
                 f"data.pool_size={self.pool_size} must be >= 1 and data.held_out={self.held_out} >= 0"
             )
+
+
+class EpisodeBar(Protocol):
+    """A bar counting the episodes of one loop (a tqdm bar is one)."""
+
+    def update(self, n: int = 1) -> bool | None: ...
+
+    def close(self) -> None: ...
+
+
+class EpisodeProgress(Protocol):
+    """A display that counts episodes as they end (`console.IterationProgress` is one)."""
+
+    def episode_done(self) -> None:
+        """One episode of the iteration being sampled has ended."""
+        ...
+
+    def episode_bar(self, description: str, total: int) -> EpisodeBar | None:
+        """A bar for another loop of episodes (the held-out evaluation); None while disabled."""
+        ...
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -96,6 +124,14 @@ class RolloutDataModule(L.LightningDataModule):
             seed,
             split_seed=settings.split_seed,
         )
+        self.progress: EpisodeProgress | None = None  # the display that counts episodes, if any
+
+    @classmethod
+    def of(cls, trainer: Any) -> RolloutDataModule | None:
+        """The Trainer's DataModule when it is a RolloutDataModule, else None (no Trainer, no
+        `fit(datamodule=...)` yet, or another DataModule): where observers start."""
+        datamodule = getattr(trainer, "datamodule", None)  # set by `fit(datamodule=...)`
+        return datamodule if isinstance(datamodule, cls) else None
 
     @property
     def report(self) -> IterationReport | None:
@@ -107,14 +143,31 @@ class RolloutDataModule(L.LightningDataModule):
         """What every iteration may spend (progress displays count episodes against its leaves)."""
         return self.collector.budget
 
-    @property
-    def on_episode_end(self) -> Callable[[], None] | None:
-        return self.collector.on_episode_end
+    def eval_tasks(self, tasks: str) -> list[int]:
+        """The task ids of an `eval.tasks` choice: held_out, train or all."""
+        return self.collector.eval_tasks(tasks)
 
-    @on_episode_end.setter
-    def on_episode_end(self, hook: Callable[[], None] | None) -> None:
-        """Called as each episode ends (progress displays)."""
-        self.collector.on_episode_end = hook
+    def evaluate(self, module: Learner, settings: EvalSettings, description: str) -> EvalResult | None:
+        """The held-out evaluation with the module's current policy (`RolloutCollector.evaluate`), its
+        episodes counted on a bar named `description` when a display is registered (`progress`).
+        None: nothing to evaluate (data.held_out=0)."""
+        episodes = len(self.eval_tasks(settings.tasks)) * settings.samples
+        progress = self.progress if episodes > 0 else None
+        bar = None if progress is None else progress.episode_bar(description, episodes)
+
+        def episode_done() -> None:
+            if bar is not None:
+                bar.update(1)
+
+        try:
+            return self.collector.evaluate(module, settings, None if bar is None else episode_done)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
+        """Successes of `samples` episodes of each task [P], outside the budget (`RolloutCollector.probe`)."""
+        return self.collector.probe(module, task_ids, samples, seed)
 
     def setup(self, stage: str) -> None:
         """Start the engine on the policy the Trainer holds (its weights are synced before sampling)."""
@@ -145,6 +198,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def build_iteration(self, module: Learner) -> list[RolloutBatch]:
         """One iteration's micro-batches, sampled with the module's current policy (see the collector)."""
+        self.collector.on_episode_end = None if self.progress is None else self.progress.episode_done
         return self.collector.collect(module, Processes.of(self.trainer))
 
     def state_dict(self) -> dict[str, Any]:
