@@ -27,11 +27,13 @@ from helpers import quiet_trainer, rollout_data, trace_module
 from trace_lightning import allocation as alloc
 from trace_lightning.advantages import ESTIMATORS
 from trace_lightning.batching import RolloutBatch
+from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.envs.base import Task, Transition, transition_problem
 from trace_lightning.envs.calls import StepTimeout, call_with_timeout
 from trace_lightning.envs.chain import ChainEnv
+from trace_lightning.iteration import Branch
 from trace_lightning.losses import LossSettings, TokenMean, clipped_surrogate
 from trace_lightning.module import ModuleSettings, NonFiniteTrainingError, TraceModule
 from trace_lightning.runner import (
@@ -291,6 +293,44 @@ def test_call_with_timeout_returns_raises_or_abandons(release: threading.Event):
 
 
 # --------------------------------------------------------------------------- generation faults
+
+
+class HonestEngine(ScriptedEngine):
+    """The scripted replies, with the finish reason a real engine gives: `length` when max_new_tokens
+    cut the reply."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        out = []
+        for _ in prompts:
+            ids = self.ids[self.i % len(self.ids)]
+            self.i += 1
+            cut = len(ids) > params.max_new_tokens
+            ids = ids[: params.max_new_tokens]
+            out.append(Completion(list(ids), [0.0] * len(ids), "length" if cut else "stop"))
+        return out
+
+
+@pytest.mark.parametrize("spare", [1, -1], ids=["replies_fit", "replies_cut"])
+def test_a_turn_counts_as_budget_bound_only_when_a_reply_ran_into_the_lowered_cap(
+    module: TraceModule, spare: int
+):
+    """One turn for 8 episodes under a token budget of 8 * (reply + spare): the share lowers every
+    reply's cap below max_new_tokens either way, but only when the replies do not fit (spare -1) did
+    the budget cut anything, and only then may the token plan read the iteration as bound."""
+    tok = module.tokenizer
+    reply = len(tok(LETTERS[0], add_special_tokens=False)["input_ids"])
+    assert all(len(tok(t, add_special_tokens=False)["input_ids"]) == reply for t in LETTERS)
+    assert reply + spare < SAMPLING.max_new_tokens  # the premise: the share lowers the cap
+    env = ChainEnv(n_tasks=8, turns=3, seed=0)
+    limits = EpisodeLimits(max_turns=1, max_episode_tokens=MAX_EPISODE_TOKENS)
+    runner = ReActRunner(HonestEngine(None, tok), tok, env, SAMPLING, limits)
+    ledger = BudgetLedger(Budget(8, 8 * (reply + spare)))
+    ledger.reserve_leaves(8, "bare")
+    trees = [runner.new_tree(t) for t in list(runner.tasks)[:4]]
+    runner([Branch(t, 0, 2, "bare") for t in trees], ledger, np.random.default_rng(0))
+    counters = runner.take_counters()
+    assert ledger.tokens_used == 8 * min(reply, reply + spare)
+    assert counters.budget_bound_turns == (1 if spare < 0 else 0)
 
 
 def test_generation_that_never_stops_hits_length_cap(module: TraceModule):

@@ -59,9 +59,7 @@ class RolloutCounters:
     env_timeouts: int = 0  # steps abandoned after `step_timeout` seconds
     invalid_transitions: list[str] = field(default_factory=list)  # why each rejected transition was garbage
     truncated_observations: int = 0  # observations cut to `max_observation_chars` or to the episode's room
-    budget_bound_turns: int = (
-        0  # turns whose generation the iteration's token budget held below max_new_tokens
-    )
+    budget_bound_turns: int = 0  # turns the token budget cut: held below max_new_tokens, a reply ran into it
 
     def merge(self, other: RolloutCounters) -> None:
         """Add another process's counts (multi-process iterations report the whole iteration)."""
@@ -198,14 +196,17 @@ class ReActRunner:
         budget_left = ledger.tokens_left()
         share = self.sampling.max_new_tokens if budget_left is None else budget_left // max(len(live), 1)
         cap = min(self.sampling.max_new_tokens, share)
-        if live and cap < self.sampling.max_new_tokens:
-            self.counters.budget_bound_turns += 1
         if cap < 1:  # the iteration's token budget cannot give every live episode one more token
             for ep in live:
                 self._close(ep, ep.node_id, "token_budget")
             live = []
         params = replace(self.sampling, max_new_tokens=max(cap, 1))
         completions = self.engine.generate([ep.tree.token_ids(ep.node_id) for ep in live], params)
+        # Only a reply that ran into a cap the budget lowered was cut by it; a lowered cap that every reply
+        # stopped short of bound nothing (counting it made `budget.unit=tokens` shrink a run's leaves each
+        # iteration while it spent half its tokens).
+        if cap < self.sampling.max_new_tokens and any(c.finish_reason == "length" for c in completions):
+            self.counters.budget_bound_turns += 1
         going = []
         for ep, completion in zip(live, completions, strict=True):
             # One batched call serves episodes with different room left: each keeps only what fits its
