@@ -421,7 +421,8 @@ def true_v_oracle(collector: Any, samples: int, seed: int, module: Any, pool_ids
     """Monte Carlo success rates of the pool under the current policy (`samples` episodes each, outside
     the budget): what Stage 1 would see with a perfect predictor, up to the probe's noise."""
     return (
-        collector.probe(module, pool_ids, samples, 5_000_011 + 1_009 * seed + collector.iteration) / samples
+        collector.evaluator.probe(module, pool_ids, samples, 5_000_011 + 1_009 * seed + collector.iteration)
+        / samples
     )
 
 

@@ -138,7 +138,7 @@ def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouc
     assert len(held) == 6 and held == set(plain.collector.held_out)
     settings = EvalSettings(samples=2, seed=5, temperature=0.5)
     for _ in range(2):
-        result = evaluated.collector.evaluate(module, settings)
+        result = evaluated.collector.evaluator.evaluate(module, settings)
         assert result.episodes == 12 and set(result.task_ids) == held and 0.0 <= result.pass_at_1 <= 1.0
         assert result.turns >= 1 and result.temperature == 0.5 and result.seconds > 0
         assert evaluated.collector.runner.sampling.temperature == 1.0  # the training temperature is back
@@ -151,9 +151,9 @@ def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouc
         assert evaluated.report.counters == plain.report.counters
         assert len(a) == len(b)
     # the same seed, the same policy: the same evaluation
-    again = [evaluated.collector.evaluate(module, settings).successes for _ in range(2)]
+    again = [evaluated.collector.evaluator.evaluate(module, settings).successes for _ in range(2)]
     assert again[0] == again[1]
-    assert make_data().collector.evaluate(module, settings) is None  # nothing held out
+    assert make_data().collector.evaluator.evaluate(module, settings) is None  # nothing held out
 
 
 class TemperatureSpy(HFEngine):
@@ -173,7 +173,7 @@ def test_evaluation_samples_at_its_own_temperature_on_the_chosen_tasks(tiny_mode
     module = make_module(tiny_model_dir)
     data = make_data(held_out=4, engine=functools.partial(TemperatureSpy, max_batch_size=16))
     collector = data.collector
-    greedy = collector.evaluate(module, EvalSettings(samples=1, temperature=0.0, tasks="all"))
+    greedy = collector.evaluator.evaluate(module, EvalSettings(samples=1, temperature=0.0, tasks="all"))
     engine = collector.runner.engine
     assert set(engine.temperatures) == {0.0} and greedy.temperature == 0.0 and greedy.samples == 1
     assert (
@@ -181,7 +181,7 @@ def test_evaluation_samples_at_its_own_temperature_on_the_chosen_tasks(tiny_mode
         and len(greedy.task_ids) == 24
     )
     engine.temperatures.clear()
-    trained = collector.evaluate(module, EvalSettings(samples=2, tasks="train", k=2))
+    trained = collector.evaluator.evaluate(module, EvalSettings(samples=2, tasks="train", k=2))
     assert set(engine.temperatures) == {1.0} and trained.temperature == 1.0  # null: the training one
     assert list(trained.task_ids) == collector.train_ids and trained.k == 2
     engine.temperatures.clear()
@@ -255,8 +255,10 @@ def test_probe_counts_successes_of_fresh_episodes_of_each_task(tiny_model_dir):
     torch.manual_seed(0)
     module, data = make_module(tiny_model_dir), make_data()
     ids = data.collector.train_ids[:5]
-    wins = data.collector.probe(module, ids, samples=3, seed=9)
-    trees = data.collector.play(module, ids, samples=3, seed=9)  # the same seed plays the same episodes
+    wins = data.collector.evaluator.probe(module, ids, samples=3, seed=9)
+    trees = data.collector.evaluator.play(
+        module, ids, samples=3, seed=9
+    )  # the same seed plays the same episodes
     assert wins.tolist() == [sum(t.nodes[x].reward >= 0.5 for x in t.leaves()) for t in trees]
     assert all(len(t.leaves()) == 3 for t in trees)
 

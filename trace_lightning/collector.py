@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -28,19 +28,19 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
-from trace_lightning.budget import Budget, BudgetError, BudgetLedger, plan_leaves
+from trace_lightning.budget import Budget, BudgetError, plan_leaves
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, HasAttributes, split_tasks
-from trace_lightning.evaluation import EvalResult, EvalSettings, score
-from trace_lightning.iteration import Branch, Iteration, build_trees
+from trace_lightning.evaluation import Evaluator
+from trace_lightning.iteration import Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import Features, IterationScorer, refit
 from trace_lightning.pricing import FlipRates, Flips, signal_leaves
 from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
 from trace_lightning.selection import RootQuality, Selection
-from trace_lightning.tree import SUCCESS, RolloutTree, bare_outcomes
+from trace_lightning.tree import RolloutTree, bare_outcomes
 
 # The iteration lines are for the run's log file (Hydra's trainer.log); on the console a progress
 # display (console.IterationProgress) shows the same counts as they happen.
@@ -160,6 +160,8 @@ class RolloutCollector:
                 f"{len(ids)} tasks, data.held_out={held_out} of them held out"
             )
         self.train_ids, self.held_out = sorted(train_ids), sorted(held)
+        # held-out evaluation and the probe: episodes outside the budget, on this run's engine
+        self.evaluator = Evaluator(env, limits, sampling, self.train_ids, self.held_out, self.synced_engine)
         self.env, self.allocator, self.engine_factory, self.sampling = env, allocator, engine, sampling
         self.budget, self.pool_size, self.limits, self.batching = budget, pool_size, limits, batching
         self.prior, self.selection, self.predictor_fit = cold_start, selection, predictor_fit
@@ -358,66 +360,12 @@ class RolloutCollector:
         assert self.flips is not None
         return self.flips.observe(result.trees, signal_leaves(result.trees), result.ledger.tokens["bare"])
 
-    def evaluate(
-        self, module: Learner, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
-    ) -> EvalResult | None:
-        """`settings.samples` episodes of every task in `settings.tasks` with the current policy, at the
-        evaluation's temperature, outside every training stream (`play`); `evaluation.py` scores them.
-        None: no such task (data.held_out=0). `on_episode_end` is called as each episode ends."""
-        task_ids = self.eval_tasks(settings.tasks)
-        if not task_ids:
-            return None
-        start, sampling = time.perf_counter(), settings.sampling(self.sampling)
-        trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, on_episode_end)
-        return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
-
-    def eval_tasks(self, tasks: str) -> list[int]:
-        """The task ids of an `eval.tasks` choice: held_out, train or all."""
-        return {
-            "held_out": self.held_out,
-            "train": self.train_ids,
-            "all": sorted(self.train_ids + self.held_out),
-        }[tasks]
-
-    def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
-        """Successes of `samples` episodes of each task [P] under the current policy: a Monte Carlo
-        estimate of V(prompt), outside the budget (`play`), for gauging the predictor."""
-        trees = self.play(module, task_ids, samples, seed)
-        return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
-
-    def play(
-        self,
-        module: Learner,
-        task_ids: Sequence[int],
-        samples: int,
-        seed: int,
-        sampling: SamplingParams | None = None,
-        on_episode_end: Callable[[], None] | None = None,
-    ) -> list[RolloutTree]:
-        """`samples` bare episodes of each task with the current policy, outside every training stream:
-        a runner of its own (its counters are not the iteration's), the torch RNG saved and restored
-        around a draw seeded with `seed`, and the engine's counters for these episodes taken and
-        dropped. So playing changes neither what the next iteration samples nor what it reports.
-        `sampling`: another temperature than the training one (an evaluation's); `on_episode_end`: a
-        progress display's hook."""
+    def synced_engine(self, module: Learner) -> GenerationEngine:
+        """The engine, started and brought to the module's current weights: what `evaluator` plays on."""
         self.start(module)
         assert self.runner is not None
-        engine = self.runner.engine
-        self._sync_engine(engine, module)
-        runner = ReActRunner(engine, module.tokenizer, self.env, sampling or self.sampling, self.limits)
-        runner.on_episode_end = on_episode_end
-        trees = [runner.new_tree(t) for t in task_ids]
-        ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
-        ledger.reserve_leaves(len(trees) * samples, "bare")
-        saved_rng = torch.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
-        finally:
-            torch.set_rng_state(saved_rng)
-            engine.take_stats()
-        engine.sleep()
-        return trees
+        self._sync_engine(self.runner.engine, module)
+        return self.runner.engine
 
     def _refit(
         self,

@@ -145,10 +145,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def eval_tasks(self, tasks: str) -> list[int]:
         """The task ids of an `eval.tasks` choice: held_out, train or all."""
-        return self.collector.eval_tasks(tasks)
+        return self.collector.evaluator.tasks(tasks)
 
     def evaluate(self, module: Learner, settings: EvalSettings, description: str) -> EvalResult | None:
-        """The held-out evaluation with the module's current policy (`RolloutCollector.evaluate`), its
+        """The held-out evaluation with the module's current policy (`evaluation.Evaluator`), its
         episodes counted on a bar named `description` when a display is registered (`progress`).
         None: nothing to evaluate (data.held_out=0)."""
         episodes = len(self.eval_tasks(settings.tasks)) * settings.samples
@@ -160,14 +160,14 @@ class RolloutDataModule(L.LightningDataModule):
                 bar.update(1)
 
         try:
-            return self.collector.evaluate(module, settings, None if bar is None else episode_done)
+            return self.collector.evaluator.evaluate(module, settings, None if bar is None else episode_done)
         finally:
             if bar is not None:
                 bar.close()
 
     def probe(self, module: Learner, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
-        """Successes of `samples` episodes of each task [P], outside the budget (`RolloutCollector.probe`)."""
-        return self.collector.probe(module, task_ids, samples, seed)
+        """Successes of `samples` episodes of each task [P], outside the budget (`evaluation.Evaluator`)."""
+        return self.collector.evaluator.probe(module, task_ids, samples, seed)
 
     def setup(self, stage: str) -> None:
         """Start the engine on the policy the Trainer holds (its weights are synced before sampling)."""

@@ -47,7 +47,7 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
     L.seed_everything(cfg.seed, workers=True)
     quiet_known_warnings(world_size=1)
     parts = build_parts(cfg)
-    tasks = parts.data.collector.eval_tasks(parts.evaluation.tasks)
+    tasks = parts.data.eval_tasks(parts.evaluation.tasks)
     if not tasks:
         raise ValueError(
             f"eval.tasks={parts.evaluation.tasks} with data.held_out=0: no task to evaluate; "
@@ -62,7 +62,9 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
         total=len(tasks) * parts.evaluation.samples, desc="evaluating", unit="episode", dynamic_ncols=True
     )
     try:
-        result = parts.data.collector.evaluate(module, parts.evaluation, on_episode_end=lambda: bar.update(1))
+        result = parts.data.collector.evaluator.evaluate(
+            module, parts.evaluation, on_episode_end=lambda: bar.update(1)
+        )
     finally:
         bar.close()
         parts.data.collector.close()

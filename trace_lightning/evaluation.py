@@ -1,8 +1,9 @@
 """Evaluation a user can trust: `samples` episodes of each task, pass@1 and pass@k with standard errors.
 
 The `eval` settings group (`EvalSettings`) says how: how many episodes per task, at which temperature
-(0: greedy), on which tasks and how often during training. The episodes are played by
-`collector.RolloutCollector.evaluate`; this module only turns their outcomes into numbers.
+(0: greedy), on which tasks and how often during training. `Evaluator` plays the episodes outside
+every training stream, on the collector's engine synced to the current policy, and scores them; the
+predictor's Monte Carlo probe plays the same way.
 
 pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). With n episodes
 of a task, c of them successes (reward >= tree.SUCCESS), the unbiased estimate of P(at least one of k
@@ -31,12 +32,19 @@ std([0.25, 0.75], ddof=1) / sqrt(2) = 0.3536 / 1.4142 = 0.25. pass@2 per task: 1
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
+import torch
 
-from trace_lightning.engines.base import SamplingParams
+from trace_lightning.budget import Budget, BudgetLedger
+from trace_lightning.engines.base import GenerationEngine, SamplingParams
+from trace_lightning.envs.base import Environment
+from trace_lightning.iteration import Branch
+from trace_lightning.runner import EpisodeLimits, ReActRunner
 from trace_lightning.tree import SUCCESS, RolloutTree
 
 TASK_SETS = ("held_out", "train", "all")
@@ -179,3 +187,76 @@ def paired_change(before: EvalResult, after: EvalResult) -> tuple[float, float]:
         if t in start
     ]
     return mean_and_se(diffs)
+
+
+@dataclass
+class Evaluator:
+    """Episodes played outside the budget with the current policy: the held-out evaluation
+    (`evaluate`) and the predictor's probe (`probe`).
+
+    `engine(module)` is the run's engine synced to the module's weights (`RolloutCollector.synced_engine`);
+    everything else is the run's environment, episode limits, training sampling and task split.
+    Playing changes neither what the next iteration samples nor what it reports (`play`)."""
+
+    env: Environment
+    limits: EpisodeLimits
+    sampling: SamplingParams
+    train_ids: list[int]
+    held_out: list[int]
+    engine: Callable[[Any], GenerationEngine]
+
+    def tasks(self, which: str) -> list[int]:
+        """The task ids of an `eval.tasks` choice: held_out, train or all."""
+        return {
+            "held_out": self.held_out,
+            "train": self.train_ids,
+            "all": sorted(self.train_ids + self.held_out),
+        }[which]
+
+    def evaluate(
+        self, module: Any, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
+    ) -> EvalResult | None:
+        """`settings.samples` episodes of every task in `settings.tasks` at the evaluation's temperature,
+        scored (`score`). None: no such task (data.held_out=0). `on_episode_end` is called as each
+        episode ends."""
+        task_ids = self.tasks(settings.tasks)
+        if not task_ids:
+            return None
+        start, sampling = time.perf_counter(), settings.sampling(self.sampling)
+        trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, on_episode_end)
+        return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
+
+    def probe(self, module: Any, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
+        """Successes of `samples` episodes of each task [P] at the training temperature: a Monte Carlo
+        estimate of V(prompt), for gauging the predictor."""
+        trees = self.play(module, task_ids, samples, seed)
+        return np.array([sum(float(t.nodes[x].reward or 0.0) >= SUCCESS for x in t.leaves()) for t in trees])
+
+    def play(
+        self,
+        module: Any,
+        task_ids: Sequence[int],
+        samples: int,
+        seed: int,
+        sampling: SamplingParams | None = None,
+        on_episode_end: Callable[[], None] | None = None,
+    ) -> list[RolloutTree]:
+        """`samples` bare episodes of each task: a runner of its own (its counters are not the
+        iteration's), the torch RNG saved and restored around a draw seeded with `seed`, and the
+        engine's counters for these episodes taken and dropped. `sampling`: another temperature than
+        the training one (an evaluation's); `on_episode_end`: a progress display's hook."""
+        engine = self.engine(module)
+        runner = ReActRunner(engine, module.tokenizer, self.env, sampling or self.sampling, self.limits)
+        runner.on_episode_end = on_episode_end
+        trees = [runner.new_tree(t) for t in task_ids]
+        ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
+        ledger.reserve_leaves(len(trees) * samples, "bare")
+        saved_rng = torch.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            runner([Branch(t, 0, samples, "bare") for t in trees], ledger, np.random.default_rng(seed))
+        finally:
+            torch.set_rng_state(saved_rng)
+            engine.take_stats()
+        engine.sleep()
+        return trees
