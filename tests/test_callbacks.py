@@ -15,7 +15,6 @@ from trace_lightning import allocation as alloc
 from trace_lightning.artifacts import samples_markdown, tree_to_draw, write_artifacts
 from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.callbacks import PredictorCalibration, RolloutStats, TreeArtifacts
-from trace_lightning.collector import IterationReport
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.engines.hf import HFEngine
 from trace_lightning.envs.chain import ChainEnv
@@ -29,6 +28,7 @@ from trace_lightning.metrics import (
     rollout_metrics,
 )
 from trace_lightning.plots import COLOURS, draw_tree, layout, outcome_colours
+from trace_lightning.report import IterationReport
 from trace_lightning.runner import RolloutCounters
 from trace_lightning.tree import RolloutTree
 

@@ -280,7 +280,6 @@ def test_a_root_oracle_replaces_the_estimates_stage_1_runs_on(tiny_model_dir):
     data.build_iteration(module)
     report = data.report
     assert asked == [report.pool_ids]
-    assert report.root_estimates.tolist() == oracle(module, report.pool_ids).tolist()
     assert report.result.root_counts[1] == 4  # the cap on the only uncertain one, the rest by tie-break
 
 

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from trace_lightning.plots import draw_tree
 from trace_lightning.tree import SUCCESS, RolloutTree, backup
 
-if TYPE_CHECKING:  # the collector imports Lightning; the report is only read here
-    from trace_lightning.collector import IterationReport
+if TYPE_CHECKING:  # the report is only read here
+    from trace_lightning.report import IterationReport
 
 
 def iteration_record(report: IterationReport) -> dict[str, Any]:

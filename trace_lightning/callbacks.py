@@ -21,7 +21,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import MLFlowLogger
 
 from trace_lightning.artifacts import write_artifacts
-from trace_lightning.collector import IterationReport
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.evaluation import EvalResult, EvalSettings, paired_change
 from trace_lightning.metrics import (
@@ -31,6 +30,7 @@ from trace_lightning.metrics import (
     probe_metrics,
     rollout_metrics,
 )
+from trace_lightning.report import IterationReport
 
 
 def latest_report(trainer: Trainer) -> IterationReport | None:

@@ -30,15 +30,16 @@ from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch, micro_batches, step_layout
 from trace_lightning.budget import Budget, BudgetError, plan_leaves
 from trace_lightning.distributed import Processes
-from trace_lightning.engines.base import EngineStats, GenerationEngine, SamplingParams, require_sampling
+from trace_lightning.engines.base import GenerationEngine, SamplingParams, require_sampling
 from trace_lightning.envs.base import Environment, HasAttributes, split_tasks
 from trace_lightning.evaluation import Evaluator
 from trace_lightning.iteration import Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
-from trace_lightning.predictor.online import Features, IterationScorer, refit
+from trace_lightning.predictor.online import IterationScorer, refit
 from trace_lightning.pricing import FlipRates, Flips, signal_leaves
-from trace_lightning.runner import EpisodeLimits, ReActRunner, RolloutCounters
+from trace_lightning.report import IterationReport
+from trace_lightning.runner import EpisodeLimits, ReActRunner
 from trace_lightning.selection import RootQuality, Selection
 from trace_lightning.tree import RolloutTree, bare_outcomes
 
@@ -47,36 +48,6 @@ from trace_lightning.tree import RolloutTree, bare_outcomes
 _log_info = rank_zero_only(logging.getLogger(__name__).info)
 
 EngineFactory = Callable[..., GenerationEngine]
-
-
-@dataclass
-class IterationReport:
-    """What the latest iteration built and spent; callbacks read it, compute code never logs."""
-
-    iteration: int
-    result: Iteration
-    counters: RolloutCounters
-    used_prior: bool
-    policy_fingerprint: float  # sum of trainable weights when the rollouts were sampled
-    sync_seconds: float = 0.0  # engine weight sync before this iteration's sampling (0: already in sync)
-    sample_seconds: float = 0.0  # tree building: scoring, allocation, generation and environment steps
-    # |engine log-prob - trainer log-prob| on the trained tokens, same weights, same temperature: the
-    # mean and max over tokens (NaN when the engine reported none). Large values mean a stale engine.
-    logprob_mismatch: float = math.nan
-    logprob_mismatch_max: float = math.nan
-    processes: int = 1  # processes whose trees `result` gathers (multi-process training)
-    root_quality: RootQuality | None = None  # how the head's raw root predictions fared (out of sample)
-    refit_loss: float = math.nan  # the predictor refit's last minibatch loss (NaN: no refit ran)
-    engine_stats: EngineStats | None = None  # this process's engine counters for this iteration
-    local_trees: list[RolloutTree] | None = None  # this process's part of `result.trees`
-    pool_ids: list[int] | None = None  # the candidate pool's task ids, in `result.pool_predicted`'s order
-    root_estimates: np.ndarray | None = None  # [P] what Stage 1 optimised over (after selection)
-    # the whole `collect` call: sync, sampling, the refit and the batches' old log-probs (budget/seconds)
-    collect_seconds: float = 0.0
-    optimizer_steps: int = 0  # optimizer steps this iteration trains (data.steps_per_iteration)
-    micro_batches_per_step: int = 1  # the gradient accumulation of each of them
-    steered: bool = True  # the predictor steered Stage 1 (the skill gate was open, or there is none)
-    flips: Flips | None = None  # priced Stage 2: its continuations and flips by start depth
 
 
 class Learner(Protocol):
@@ -258,7 +229,6 @@ class RolloutCollector:
             engine_stats=runner.engine.take_stats(),
             local_trees=local.trees,
             pool_ids=plan.pool_ids,
-            root_estimates=plan.estimates,
             collect_seconds=time.perf_counter() - began,
             optimizer_steps=len(batches) // per_step,
             micro_batches_per_step=per_step,
@@ -293,7 +263,7 @@ class RolloutCollector:
             f"iteration {self.iteration}: sampling {budget.leaves} trajectories ({self.allocator.name})"
         )
         began = time.perf_counter()
-        raw = _root_predictions(pool, score, processes)  # [P] the head's (or the prior's) estimates
+        raw = processes.score_pool(pool, score)  # [P] the head's (or the prior's) estimates
         calibration = self.predictor_fit.calibration if self.predictor_fit is not None else None
         if used_prior:  # the prior's estimates, not the head's: nothing to calibrate them with
             calibration = None
@@ -344,15 +314,24 @@ class RolloutCollector:
         if not plan.steer and self.allocator.closed is not None:  # closed: every group was drawn uniformly
             slice_ids = {t.task_id for t in trees}
         quality = self.selection.observe(self.iteration, trees, plan.predicted, slice_ids)
-        if plan.calibration is not None:
-            self._calibrate(plan.calibration, dict(zip(plan.pool_ids, plan.raw, strict=True)), trees)
-        refit_loss = self._refit(module.scorer, plan.pool, trees, plan.score.features, processes)
+        wins = [bare_outcomes(t) for t in trees]
+        if plan.calibration is not None:  # the Platt map, on the head's raw root predictions and outcomes
+            raw = dict(zip(plan.pool_ids, plan.raw, strict=True))
+            plan.calibration.observe(
+                self.iteration,
+                [raw[t.task_id] for t in trees],
+                [w.sum() for w in wins],
+                [len(w) for w in wins],
+            )
+        refit_loss = math.nan
+        if self.predictor_fit is not None:  # every process gathers the same features, runs the same fit
+            seen = {key: f for part in processes.all_gather(plan.score.features) for key, f in part.items()}
+            refit_loss = refit(self.predictor_fit, module.scorer, plan.pool, trees, seen, self.iteration)
         if self.selection.attributes and self.attribute_keys:
             self.selection.pool_outcomes(trees, self.attribute_keys)
         self.prior.step()
-        for tree in trees:
-            wins = bare_outcomes(tree)
-            self.prior.update(tree.task_id, float(wins.sum()), float(len(wins) - wins.sum()))
+        for tree, w in zip(trees, wins, strict=True):
+            self.prior.update(tree.task_id, float(w.sum()), float(len(w) - w.sum()))
         return quality, refit_loss
 
     def _price(self, result: Iteration) -> Flips:
@@ -366,32 +345,6 @@ class RolloutCollector:
         assert self.runner is not None
         self._sync_engine(self.runner.engine, module)
         return self.runner.engine
-
-    def _refit(
-        self,
-        scorer: PrefixScorer,
-        pool: list[RolloutTree],
-        trees: list[RolloutTree],
-        features: Features,
-        processes: Processes,
-    ) -> float:
-        """The predictor refit (`predictor.online.refit`) on every process's scored prefixes: each process
-        gathers the same features and runs the same fit, so the head stays replicated."""
-        if self.predictor_fit is None:
-            return math.nan
-        seen: Features = {}
-        for part in processes.all_gather(features):
-            seen.update(part)
-        return refit(self.predictor_fit, scorer, pool, trees, seen, self.iteration)
-
-    def _calibrate(
-        self, calibration: PlattCalibration, raw: dict[int, float], trees: list[RolloutTree]
-    ) -> None:
-        """Refit the Platt map on the head's raw root predictions and the bare outcomes they preceded."""
-        wins = [bare_outcomes(t) for t in trees]
-        calibration.observe(
-            self.iteration, [raw[t.task_id] for t in trees], [w.sum() for w in wins], [len(w) for w in wins]
-        )
 
     def _sync_engine(self, engine: GenerationEngine, module: Learner) -> float:
         """Bring the engine to the policy's current weights when they changed since its last sync (or it
@@ -457,16 +410,6 @@ class RolloutCollector:
         self._spent = None if spent is None else (int(spent[0]), int(spent[1]), bool(spent[2]))
         if self.flips is not None and state.get("flips") is not None:  # absent before priced Stage 2
             self.flips.load_state_dict(state["flips"])
-
-
-def _root_predictions(pool: list[RolloutTree], score: IterationScorer, processes: Processes) -> np.ndarray:
-    """Root estimates over the whole pool [P]; with several processes each scores a round-robin share
-    and the scores are gathered, so all see the same pool."""
-    if processes.world == 1:
-        return np.concatenate(score(pool, [[0]] * len(pool))) if pool else np.zeros(0)
-    mine = processes.round_robin(len(pool))
-    local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
-    return processes.gather_scores(len(pool), [float(v[0]) for v in local])
 
 
 def _mean_max(gaps: np.ndarray) -> tuple[float, float]:

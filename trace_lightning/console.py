@@ -30,9 +30,9 @@ from transformers.utils import logging as hf_logging
 
 from trace_lightning import metrics
 from trace_lightning.callbacks import HeldOutSuccess, SuccessProbe, latest_report
-from trace_lightning.collector import IterationReport
 from trace_lightning.data import RolloutDataModule
 from trace_lightning.evaluation import EvalResult, paired_change
+from trace_lightning.report import IterationReport
 from trace_lightning.tree import SUCCESS, tree_stats
 
 

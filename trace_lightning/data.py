@@ -27,12 +27,13 @@ from trace_lightning.advantages import Estimator, TreeGRPO
 from trace_lightning.allocation import BetaPrior, TreeAllocator
 from trace_lightning.batching import Batching, RolloutBatch
 from trace_lightning.budget import Budget
-from trace_lightning.collector import EngineFactory, IterationReport, Learner, RolloutCollector
+from trace_lightning.collector import EngineFactory, Learner, RolloutCollector
 from trace_lightning.distributed import Processes
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import Environment
 from trace_lightning.evaluation import EvalResult, EvalSettings
 from trace_lightning.predictor import PredictorFit
+from trace_lightning.report import IterationReport
 from trace_lightning.runner import EpisodeLimits
 from trace_lightning.selection import Selection
 

@@ -11,6 +11,7 @@ unconditionally.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.iteration import Iteration, Shard
 from trace_lightning.runner import RolloutCounters
+from trace_lightning.tree import RolloutTree
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,18 @@ class Processes:
     def round_robin(self, n: int) -> list[int]:
         """The pool indices this process scores (shares differ by at most one)."""
         return list(range(self.rank, n, self.world))
+
+    def score_pool(
+        self, pool: list[RolloutTree], score: Callable[[list[RolloutTree], list[list[int]]], list[np.ndarray]]
+    ) -> np.ndarray:
+        """Root estimates over the whole pool [P] (`score(trees, node ids)`, e.g. an IterationScorer);
+        with several processes each scores a round-robin share and the scores are gathered, so all see
+        the same pool."""
+        if self.world == 1:
+            return np.concatenate(score(pool, [[0]] * len(pool))) if pool else np.zeros(0)
+        mine = self.round_robin(len(pool))
+        local = score([pool[i] for i in mine], [[0]] * len(mine)) if mine else []
+        return self.gather_scores(len(pool), [float(v[0]) for v in local])
 
     def gather_scores(self, n: int, local: list[float]) -> np.ndarray:
         """The whole pool's scores [n] from each process's round-robin share."""

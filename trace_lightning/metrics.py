@@ -20,8 +20,8 @@ from trace_lightning.budget import BudgetError, BudgetLedger
 from trace_lightning.engines.base import EngineStats
 from trace_lightning.tree import SUCCESS, RolloutTree, TreeStats, backup, tree_stats
 
-if TYPE_CHECKING:  # the collector imports Lightning; the report is only read here
-    from trace_lightning.collector import IterationReport
+if TYPE_CHECKING:  # the report is only read here
+    from trace_lightning.report import IterationReport
 
 
 def _mean(values: Any) -> float:
