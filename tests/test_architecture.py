@@ -225,7 +225,7 @@ def test_the_walk_sees_the_package():
     rooms = room_edges(EDGES)
     folders = {room(m) for m in package_modules(ROOT, PACKAGE)}
     assert {*STANDALONE, "predictor"} <= folders
-    assert "warmstart" in rooms["trainer"]
+    assert "model_folder" in rooms["trainer"]
     assert "config" in rooms["trainer"]  # `from trace_lightning import config`
     assert "envs" in rooms["runner"] and "tree" in rooms["predictor"]
 
