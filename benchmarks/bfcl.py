@@ -39,7 +39,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from trace_lightning import config, warmstart
+from trace_lightning import config, model_folder, warmstart
 from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.envs.base import split_tasks
@@ -249,15 +249,15 @@ def run_warm_start(args: Any, tmp: str, base_model: str) -> tuple[Path, dict[str
     `--warm-start-dir` that already holds a finished warm start of the same base model and held-out
     split is reused, not trained again (the RL steps can then be re-run without its hour on a CPU)."""
     run_dir = args.warm_start_dir or Path(tmp) / "warm_start"
-    done = run_dir / "model" / warmstart.MARKER
+    done = run_dir / "model" / model_folder.MARKER
     if done.is_file():
-        record = warmstart.warm_start_record(str(done.parent))
+        record = model_folder.warm_start_record(str(done.parent))
         if record.get("base_model") != Path(base_model).name:
             raise SystemExit(
                 f"--warm-start-dir {run_dir} holds a warm start of {record.get('base_model')}, not of "
                 f"{Path(base_model).name}: pass an empty folder"
             )
-        warmstart.check_held_out(str(done.parent), sorted(held_out_ids(BFCLEnv("base"), args.seed)))
+        model_folder.check_held_out(str(done.parent), sorted(held_out_ids(BFCLEnv("base"), args.seed)))
         print(f"warm start: reusing {done.parent} ({record.get('demonstrations')} demos)", flush=True)
         return done.parent, record | {"wall_seconds": 0.0, "reused": str(done.parent)}
     overrides = [
@@ -279,7 +279,7 @@ def run_warm_start(args: Any, tmp: str, base_model: str) -> tuple[Path, dict[str
         cfg = compose("warmstart", overrides=overrides)
     start = time.perf_counter()
     out = warmstart.run(cfg)
-    record = json.loads((out / warmstart.MARKER).read_text())
+    record = json.loads((out / model_folder.MARKER).read_text())
     return out, record | {"wall_seconds": time.perf_counter() - start, "overrides": overrides}
 
 

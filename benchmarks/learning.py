@@ -63,6 +63,7 @@ from trace_lightning.allocation import BetaPrior
 from trace_lightning.batching import collate, leaf_sequences
 from trace_lightning.budget import Budget
 from trace_lightning.callbacks import SuccessProbe
+from trace_lightning.collector import Learner, RolloutCollector
 from trace_lightning.data import DataSettings, RolloutDataModule
 from trace_lightning.engines.base import Completion, EngineStats, SamplingParams, ScriptedEngineBase
 from trace_lightning.engines.hf import HFEngine
@@ -130,7 +131,7 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_gate": Method(shipped, leaves, selection | gate),
         "trace_head_gate": Method(shipped, leaves, selection | gate, old),
         # NOT a method: Stage 1 steered by `--true-v-samples` fresh episodes of every candidate, outside
-        # the budget and training nothing (collector.root_oracle). The ceiling every predictor is read
+        # the budget and training nothing (TrueVCollector). The ceiling every predictor is read
         # against.
         "true_v": Method(shipped, leaves, selection, true_v=True),
         # Table 1 with the shipped trace's Stage 1 (groups, cap, breadth) and N
@@ -370,11 +371,12 @@ def train_run(
         selection=Selection(**method.selection),
         predictor_fit=head.refit(seed),
         seed=seed,
+        collector=(
+            functools.partial(TrueVCollector, samples=args.true_v_samples, probe_seed=seed)
+            if method.true_v
+            else RolloutCollector
+        ),
     )
-    if method.true_v:  # probe seeds of their own, so the probe rows below never see the same episodes
-        data.collector.root_oracle = functools.partial(
-            true_v_oracle, data.collector, args.true_v_samples, seed
-        )
     recorder = Recorder(name, heldout_env, args, seed, method.leaves)
     recorder.evals.append({"iteration": 0, **dict.fromkeys(BUDGET_UNITS, 0), "success": start["success"]})
     probe = SuccessProbe(args.probe_every, args.probe_half, args.max_per_prompt, seed=3_000_017 + 97 * seed)
@@ -417,13 +419,24 @@ def probe_rates(probe: SuccessProbe) -> list[dict[str, Any]]:
     ]
 
 
-def true_v_oracle(collector: Any, samples: int, seed: int, module: Any, pool_ids: list[int]) -> np.ndarray:
-    """Monte Carlo success rates of the pool under the current policy (`samples` episodes each, outside
-    the budget): what Stage 1 would see with a perfect predictor, up to the probe's noise."""
-    return (
-        collector.evaluator.probe(module, pool_ids, samples, 5_000_011 + 1_009 * seed + collector.iteration)
-        / samples
-    )
+class TrueVCollector(RolloutCollector):
+    """The `true_v` row, an upper bound and not a method: Stage 1 steered by Monte Carlo success rates of
+    the pool under the current policy (`samples` episodes each, outside the budget, training nothing),
+    what it would see with a perfect predictor, up to the probe's noise."""
+
+    def __init__(self, *args: Any, samples: int, probe_seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.samples, self.probe_seed = samples, probe_seed
+
+    def stage1_estimates(
+        self, module: Learner, pool_ids: list[int], predicted: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        # the selection's estimates are still drawn (and dropped), so the RNG streams match the other rows
+        super().stage1_estimates(module, pool_ids, predicted)
+        # probe seeds of their own, so the probe rows never see the same episodes
+        seed = 5_000_011 + 1_009 * self.probe_seed + self.iteration
+        rates = self.evaluator.probe(module, pool_ids, self.samples, seed) / self.samples
+        return np.asarray(rates, dtype=np.float64), True  # the ceiling always steers: it is not gated
 
 
 def testbed(args: argparse.Namespace) -> tuple[DecisiveEnv, DecisiveEnv]:

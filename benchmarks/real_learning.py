@@ -39,7 +39,7 @@ from common import TaskSubset, peak_rss_gib
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from trace_lightning import config
+from trace_lightning import config, model_folder
 from trace_lightning import warmstart as ws
 from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.hf import HFEngine
@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         vars(args).update(QUICK)
     elif args.warm_start.lower() == "none":
         args.warm_start = None  # SmolLM2 as shipped (the slow test; it answers closed-book in one turn)
-    elif not (Path(args.warm_start) / ws.MARKER).is_file():
+    elif not (Path(args.warm_start) / model_folder.MARKER).is_file():
         p.error(f"--warm-start {args.warm_start} is not a finished warm start: run the command in --help")
     return args
 

@@ -109,10 +109,11 @@ def test_every_package_folder_is_installed():
 PACKAGE = "trace_lightning"
 STANDALONE = ("envs", "engines", "checkpoints")  # rooms that import nothing of the package but themselves
 # What predictor/ imports today, and may: the tree and its backup, BetaPrior (allocation), the head's MSE
-# (losses), right_pad (batching) and the shared-prefix KV fan-out (engines/kv.py). All framework-free;
-# batching and engines are not in the Makefile's PURE_CORE, but neither imports Lightning or Hydra, and
-# the graph holds none of the orchestration (collector, data, module, trainer) under them.
-PREDICTOR_MAY_IMPORT = {"tree", "allocation", "losses", "batching", "engines"}
+# (losses), right_pad (packing, which owns the rows) and the shared-prefix KV fan-out (engines/kv.py). All
+# framework-free; packing and engines are not in the Makefile's PURE_CORE, but neither imports Lightning or
+# Hydra (packing imports only torch and the tree), and the graph holds none of the orchestration
+# (collector, data, module, trainer) under them.
+PREDICTOR_MAY_IMPORT = {"tree", "allocation", "losses", "packing", "engines"}
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def test_the_walk_sees_the_package():
     rooms = room_edges(EDGES)
     folders = {room(m) for m in package_modules(ROOT, PACKAGE)}
     assert {*STANDALONE, "predictor"} <= folders
-    assert "warmstart" in rooms["trainer"]
+    assert "model_folder" in rooms["trainer"]
     assert "config" in rooms["trainer"]  # `from trace_lightning import config`
     assert "envs" in rooms["runner"] and "tree" in rooms["predictor"]
 

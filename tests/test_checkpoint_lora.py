@@ -23,8 +23,8 @@ from trace_lightning import config, trainer
 from trace_lightning.checkpoints import CheckpointError, validate_checkpoint
 from trace_lightning.checkpoints.files import Manifest
 from trace_lightning.checkpoints.frozen import FrozenWeights
+from trace_lightning.model_folder import MARKER
 from trace_lightning.models import build_policy, build_tiny_model
-from trace_lightning.warmstart import MARKER
 
 FAST = ["debug=fast", "~callbacks.progress", "~callbacks.summary", "budget.leaves=12"]
 LORA = ["adapter=lora", "adapter.r=4"]

@@ -11,6 +11,7 @@ import torch
 from chain_fixtures import make_data, make_module
 
 from trace_lightning import allocation as alloc
+from trace_lightning.collector import RolloutCollector
 from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
@@ -263,23 +264,22 @@ def test_probe_counts_successes_of_fresh_episodes_of_each_task(tiny_model_dir):
     assert all(len(t.leaves()) == 3 for t in trees)
 
 
-def test_a_root_oracle_replaces_the_estimates_stage_1_runs_on(tiny_model_dir):
-    """The true_v instrument of benchmarks/learning.py: Stage 1 on what the oracle says."""
-    torch.manual_seed(0)
-    module, data = (
-        make_module(tiny_model_dir),
-        make_data(allocator=alloc.trace(expansion=2, max_per_prompt=4)),
-    )
+def test_a_collector_that_overrides_stage_1s_estimates_steers_stage_1(tiny_model_dir):
+    """The hook of benchmarks/learning.py's true_v instrument (TrueVCollector), built by the DataModule:
+    Stage 1 runs on what `stage1_estimates` returns, steered."""
     asked = []
 
-    def oracle(learner, pool_ids):
-        asked.append(list(pool_ids))
-        return np.array([0.5 if t == pool_ids[1] else 0.0 for t in pool_ids])  # one uncertain candidate
+    class OracleCollector(RolloutCollector):
+        def stage1_estimates(self, module, pool_ids, predicted):
+            asked.append(list(pool_ids))
+            return np.array([0.5 if t == pool_ids[1] else 0.0 for t in pool_ids]), True  # one uncertain
 
-    data.collector.root_oracle = oracle
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    data = make_data(allocator=alloc.trace(expansion=2, max_per_prompt=4), collector=OracleCollector)
     data.build_iteration(module)
     report = data.report
-    assert asked == [report.pool_ids]
+    assert asked == [report.pool_ids] and report.steered
     assert report.result.root_counts[1] == 4  # the cap on the only uncertain one, the rest by tie-break
 
 

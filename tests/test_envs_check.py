@@ -18,7 +18,15 @@ from hydra.utils import instantiate
 
 from trace_lightning import config
 from trace_lightning.demos import demonstrations
-from trace_lightning.envs.base import Task, Transition
+from trace_lightning.envs.base import (
+    HasActions,
+    HasAttributes,
+    HasDemonstration,
+    HasPromptIds,
+    HasTools,
+    Task,
+    Transition,
+)
 from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.envs.check import RUNNER_EPISODE_TOKENS, RUNNER_OBSERVATION_CHARS, check_environment
 from trace_lightning.envs.decisive import DecisiveEnv
@@ -68,6 +76,22 @@ def test_the_example_environment_plugs_into_the_config_the_check_and_the_warm_st
     assert check_environment(env) == []
     demos, missing = demonstrations(env, {0, 1, 2, 3})
     assert missing == 0 and all(d.reward == 1.0 and len(d.actions) == 3 for d in demos)
+
+
+def test_the_optional_hooks_are_read_through_the_protocols_of_envs_base():
+    """An environment has a hook when its class defines it; a subclass that sets it to None has none, as
+    the `getattr(env, hook, None)` probes these protocols replaced read it."""
+    env = MathToolEnv(n_tasks=4)
+    assert isinstance(env, HasDemonstration) and isinstance(env, HasActions)
+    assert isinstance(env, HasAttributes)
+    assert not isinstance(env, HasPromptIds) and not isinstance(env, HasTools)
+
+    class WithoutDemonstrations(MathToolEnv):
+        demonstration = None
+
+    assert not isinstance(WithoutDemonstrations(n_tasks=4), HasDemonstration)
+    with pytest.raises(ValueError, match="no demonstrations"):
+        demonstrations(WithoutDemonstrations(n_tasks=4), {0})
 
 
 def test_the_check_command_reports_the_example_ok():

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from trace_lightning import config, trainer
 from trace_lightning.checkpoints import CheckpointError, validate_checkpoint
 from trace_lightning.evaluate import checkpoint_path, evaluate
-from trace_lightning.warmstart import MARKER, check_held_out, model_tags
+from trace_lightning.model_folder import MARKER, check_held_out, model_tags
 
 
 def compose_cfg(name, tmp_path, *overrides):

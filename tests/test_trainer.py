@@ -18,8 +18,8 @@ from omegaconf.errors import ValidationError
 from trace_lightning import config, trainer
 from trace_lightning.allocation import TreeAllocator
 from trace_lightning.budget import BudgetError
+from trace_lightning.model_folder import policy_path
 from trace_lightning.models import prepare_smollm2
-from trace_lightning.warmstart import policy_path
 
 CONF = config.conf_dir()
 GROUP_OPTIONS = [

@@ -26,8 +26,9 @@ from trace_lightning.envs.base import Task
 from trace_lightning.envs.math_tool import MathToolEnv, generated_steps
 from trace_lightning.envs.search_qa import SearchQAEnv
 from trace_lightning.iteration import Branch
+from trace_lightning.model_folder import MARKER
 from trace_lightning.runner import ReActRunner
-from trace_lightning.warmstart import IGNORE, MARKER, run, split_tasks, to_example
+from trace_lightning.warmstart import IGNORE, run, split_tasks, to_example
 
 HAS_BM25 = importlib.util.find_spec("bm25s") is not None
 needs_bm25 = pytest.mark.skipif(not HAS_BM25, reason="bm25s is not installed: run `make data`")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from trace_lightning.advantages import Estimator, node_advantages
-from trace_lightning.packing import PackedRows, budget_groups, pack, packed_tokens
+from trace_lightning.packing import PackedRows, budget_groups, pack, packed_tokens, right_pad
 from trace_lightning.tree import RolloutTree, predictor_targets
 
 
@@ -100,14 +100,6 @@ def _sequence(
         )
         add_target(n)
     return LeafSequence(ti, leaf, ids, mask, advs, positions, targets, weights, engine)
-
-
-def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> right-padded ids and attention mask.  # [B, T], [B, T]"""
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
-    return ids, mask
 
 
 def collate(seqs: Sequence[LeafSequence], pad_id: int) -> RolloutBatch:

@@ -85,7 +85,7 @@ class _Plan:
     score: IterationScorer
     raw: np.ndarray  # [P] the head's (or the prior's) root estimates
     predicted: np.ndarray  # [P] after calibration
-    estimates: np.ndarray  # [P] what Stage 1 allocates on (the selection's, or the oracle's)
+    estimates: np.ndarray  # [P] what Stage 1 allocates on (`stage1_estimates`)
     reserved: np.ndarray  # [P] the unbiased slice's rollouts
     calibration: PlattCalibration | None  # the map `predicted` went through (None: none)
     scored_at: float  # perf_counter() when the pool's scoring began
@@ -156,10 +156,6 @@ class RolloutCollector:
         self.runner: ReActRunner | None = None
         self._engine_version = math.nan  # policy fingerprint the engine last synced to (NaN: never)
         self.on_episode_end: Callable[[], None] | None = None  # called as each episode ends (progress bars)
-        # An upper-bound instrument for benchmarks, never a method: when set, Stage 1 runs on what it
-        # returns for the pool's task ids (e.g. Monte Carlo success rates from `probe`, whose episodes
-        # are outside the budget) instead of the predictor's estimates (benchmarks/learning.py, true_v).
-        self.root_oracle: Callable[[Learner, list[int]], np.ndarray] | None = None
 
     # ------------------------------------------------------------------ engine lifetime
 
@@ -270,16 +266,21 @@ class RolloutCollector:
         predicted = calibration(raw) if calibration is not None else raw  # [P]
         if self.selection.attributes and self.attribute_keys:  # what transfers between fresh prompts
             predicted = self.selection.pooled_rates([self.attribute_keys[t] for t in pool_ids])
-        steer, _ = self.selection.gate()
-        estimates = self.selection.estimates(predicted, pool_ids, self.prior, self.rng)  # [P] Stage 1's
-        if self.root_oracle is not None:  # the instrument always steers: it is the ceiling, not gated
-            estimates = np.asarray(self.root_oracle(module, pool_ids), dtype=np.float64)
-            steer = True
+        estimates, steer = self.stage1_estimates(module, pool_ids, predicted)  # [P] Stage 1's
         reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
         plan = _Plan(
             pool_ids, pool, used_prior, score, raw, predicted, estimates, reserved, calibration, began, steer
         )
         return plan, sync_seconds
+
+    def stage1_estimates(
+        self, module: Learner, pool_ids: list[int], predicted: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        """What Stage 1 allocates on [P] and whether it steers by it: the selection's estimates of the
+        pool, under its skill gate. A benchmark's upper bound overrides it (benchmarks/learning.py
+        TrueVCollector: Monte Carlo success rates, outside the budget); no method does."""
+        steer, _ = self.selection.gate()
+        return self.selection.estimates(predicted, pool_ids, self.prior, self.rng), steer
 
     def _sample(
         self, plan: _Plan, runner: ReActRunner, processes: Processes, budget: Budget

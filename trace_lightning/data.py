@@ -15,7 +15,7 @@ bar from the same display.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,9 +102,12 @@ class RolloutDataModule(L.LightningDataModule):
         selection: Selection | None = None,
         predictor_fit: PredictorFit | None = None,
         seed: int = 0,
+        collector: Callable[..., RolloutCollector] = RolloutCollector,
     ) -> None:
+        """`collector` builds the collector from the rest: the product's, or a benchmark's instrument
+        that overrides one of its stages (benchmarks/learning.py TrueVCollector)."""
         super().__init__()
-        self.collector = RolloutCollector(
+        self.collector = collector(
             env,
             allocator,
             engine,

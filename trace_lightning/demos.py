@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trace_lightning.envs.base import Task
+from trace_lightning.envs.base import HasDemonstration, Task
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def demonstrate(env: Any, task: Task) -> Demonstration | None:
 
 def demonstrations(env: Any, task_ids: set[int]) -> tuple[list[Demonstration], int]:
     """(demonstrations for the tasks in `task_ids`, how many of those tasks got none)."""
-    if not callable(getattr(env, "demonstration", None)):
+    if not isinstance(env, HasDemonstration):
         raise ValueError(
             f"the warm start has no demonstrations for env={env.name!r}: give the environment a method "
             "`demonstration(task) -> list[str] | None` returning the actions of a successful episode "

@@ -32,10 +32,10 @@ from trace_lightning.checkpoints import CheckpointError, check_shapes, validate_
 from trace_lightning.checkpoints.validate import newest_valid
 from trace_lightning.console import quiet_console, quiet_known_warnings
 from trace_lightning.evaluation import EvalResult
+from trace_lightning.model_folder import model_tags
 from trace_lightning.module import TraceModule
 from trace_lightning.run_record import mark_model_training
 from trace_lightning.trainer import Parts, build_module, build_parts, config_fingerprint
-from trace_lightning.warmstart import model_tags
 
 config.register()
 

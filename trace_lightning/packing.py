@@ -100,6 +100,15 @@ def packed_tokens(tree: RolloutTree, leaves: Sequence[int]) -> int:
     )
 
 
+def right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> right-padded ids and attention mask (the per-leaf rows of a `collate`d batch,
+    the predictor's prefixes).  # [B, T], [B, T]"""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([list(s) + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
 def pack(
     trees: Sequence[RolloutTree],
     leaves: Sequence[tuple[int, int]],

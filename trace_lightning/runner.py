@@ -40,7 +40,7 @@ import numpy as np
 from trace_lightning.budget import BudgetLedger
 from trace_lightning.chat import observation_parts, prompt_ids
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
-from trace_lightning.envs.base import Environment, Task, Transition, transition_problem
+from trace_lightning.envs.base import Environment, HasPromptIds, Task, Transition, transition_problem
 from trace_lightning.envs.calls import MAX_ERROR_CHARS, StepTimeout, call_with_timeout, describe_error
 from trace_lightning.iteration import Branch
 from trace_lightning.tree import RolloutTree, Stage
@@ -332,7 +332,6 @@ def any_busy(engine: GenerationEngine, busy: bool) -> bool:
 def task_prompt_ids(tokenizer: Any, env: Environment, task: Task) -> list[int]:
     """The task's prompt as the runner plays it: the environment's own where it builds one per task
     (`env.prompt_ids(task, tokenizer)`: bfcl's function docs differ by entry), else `prompt_ids`."""
-    own = getattr(env, "prompt_ids", None)
-    if own is not None:
-        return list(own(task, tokenizer))
+    if isinstance(env, HasPromptIds):
+        return list(env.prompt_ids(task, tokenizer))
     return prompt_ids(tokenizer, env.system_prompt, task.question)

@@ -42,6 +42,7 @@ from trace_lightning.envs.base import Environment
 from trace_lightning.envs.check import check_environment
 from trace_lightning.evaluation import EvalSettings
 from trace_lightning.losses import LossSettings
+from trace_lightning.model_folder import check_held_out, model_tags, policy_options, policy_path
 from trace_lightning.models import build_policy
 from trace_lightning.module import ModuleSettings, TraceModule
 from trace_lightning.predictor import PredictorSettings
@@ -54,7 +55,6 @@ from trace_lightning.run_record import (
     write_record,
 )
 from trace_lightning.sharding import FSDP2Strategy
-from trace_lightning.warmstart import check_held_out, model_tags, policy_options, policy_path
 
 config.register()
 

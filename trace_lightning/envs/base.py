@@ -5,9 +5,10 @@ mutating one, so a tree node can keep the state it had (a snapshot) and a contin
 that node starts from exactly that state. States must be immutable values (tuples, frozen
 dataclasses).
 
-An environment whose prompt differs by task beyond the user message (bfcl: each entry's function
-docs) may also define `prompt_ids(task, tokenizer) -> list[int]`; the runner and the warm start then
-use it instead of templating `system_prompt` and `task.question` (`runner.task_prompt_ids`).
+Beyond the `Environment` protocol an environment may define optional hooks, each declared below as a
+runtime-checkable protocol that the code reading it tests with `isinstance`: `attributes`
+(`HasAttributes`), `demonstration` (`HasDemonstration`), `prompt_ids` (`HasPromptIds`), and the
+declarations the environment check probes, `tools` (`HasTools`) and `actions` (`HasActions`).
 
 `transition_problem` says what the runner and `envs/check.py` both refuse in a `Transition`.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -104,6 +105,43 @@ class HasAttributes(Protocol):
     """
 
     def attributes(self, task: Task) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class HasDemonstration(Protocol):
+    """Optional: the actions of a successful episode of `task`, or None where there is none.
+
+    The warm start (`demos.py`) replays them through `step` and keeps those that score 1.0; without the
+    method an environment has no warm start. `envs/check.py` plays them before its hostile probes.
+    """
+
+    def demonstration(self, task: Task) -> Sequence[str] | None: ...
+
+
+@runtime_checkable
+class HasPromptIds(Protocol):
+    """Optional: the task's prompt as token ids, for an environment whose prompt differs by task beyond
+    the user message (bfcl: each entry's function docs). The runner and the warm start then use it
+    instead of templating `system_prompt` and `task.question` (`runner.task_prompt_ids`)."""
+
+    def prompt_ids(self, task: Task, tokenizer: Any) -> list[int]: ...
+
+
+@runtime_checkable
+class HasTools(Protocol):
+    """Optional: the environment's tools as typed functions (`envs/tools.py` ToolEnv). `envs/check.py`
+    calls each with hostile values, written in the environment's `tool_format` (a key of `envs/tools.py`
+    PARSERS; in every format it knows when the environment names none)."""
+
+    tools: Sequence[Callable[..., Any]]
+
+
+@runtime_checkable
+class HasActions(Protocol):
+    """Optional: the action tags the environment reads (`("search", "answer")`); `envs/check.py` sends
+    malformed and hostile text inside each, as well as inside each stop string's tag."""
+
+    actions: Sequence[str]
 
 
 def split_tasks(task_ids: Sequence[int], held_out: int, seed: int) -> tuple[set[int], set[int]]:

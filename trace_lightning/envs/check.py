@@ -39,7 +39,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trace_lightning.envs.base import Environment, Task, Transition, transition_problem
+from trace_lightning.envs.base import (
+    Environment,
+    HasActions,
+    HasDemonstration,
+    HasTools,
+    Task,
+    Transition,
+    transition_problem,
+)
 from trace_lightning.envs.calls import StepTimeout, call_with_timeout, describe_error
 
 MAX_HANGS = 3  # calls abandoned before the check stops: each costs step_seconds; a hung env rarely recovers
@@ -93,7 +101,8 @@ HOSTILE_VALUES: tuple[tuple[str, Any], ...] = (
 def probe_actions(env: Environment) -> list[str]:
     """Malformed and adversarial actions, one per kind (the demonstration's actions come first)."""
     stops = [str(s).strip("</>") for s in getattr(env, "stop_strings", ())]  # a missing one is reported
-    tags = list(dict.fromkeys([*stops, *map(str, getattr(env, "actions", ()))])) or ["answer"]
+    actions = env.actions if isinstance(env, HasActions) else ()
+    tags = list(dict.fromkeys([*stops, *map(str, actions)])) or ["answer"]
     out = ["", "I think the answer is 42.", "<" + tags[0] + ">", "<" + tags[0] + "><" + tags[0] + ">1</"]
     calls = [_json_call(v) for v in ("1e999", "NaN", "-Infinity", "9" * 5000, "[" * 990 + "]" * 990)]
     for tag in tags:
@@ -137,7 +146,7 @@ def _tool_probes(env: Environment) -> list[Probe]:
     """Each tool of `env.tools` (typed functions, envs/tools.py) called with each of HOSTILE_VALUES in
     each parameter (the others get a plausible value), with no arguments, and with an unknown one."""
     writers = _WRITERS.get(str(getattr(env, "tool_format", "")), (_hermes, _llama3))
-    tools = getattr(env, "tools", None)
+    tools = env.tools if isinstance(env, HasTools) else ()
     out: list[Probe] = []
     for fn in tools if isinstance(tools, (list, tuple)) else ():
         name, params = getattr(fn, "__name__", None), _parameters(fn)
@@ -325,8 +334,7 @@ class _Checker:
         return found
 
     def _demonstration(self, task: Task) -> list[str]:
-        demonstrate = getattr(self.env, "demonstration", None)
-        return list(demonstrate(task) or []) if demonstrate is not None else []
+        return list(self.env.demonstration(task) or []) if isinstance(self.env, HasDemonstration) else []
 
     def episode(self, task: Task, actions: Sequence[str]) -> list[str]:
         """Play `actions` from the task's initial state (up to `max_turns`): the problems of the first

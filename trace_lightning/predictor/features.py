@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trace_lightning.batching import right_pad
 from trace_lightning.engines.kv import CACHE_KWARG, fan_out, prefill
+from trace_lightning.packing import right_pad
 from trace_lightning.predictor.head import SuccessHead, gather_positions
 from trace_lightning.tree import RolloutTree
 
