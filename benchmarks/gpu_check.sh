@@ -70,7 +70,7 @@ case "${GPU_CHECK_ONLY:-}" in
 esac
 
 echo "== 1/5 vLLM engine tests on the GPU"
-"$PY" -m pytest -m vllm -q tests/test_engine_vllm.py
+"$PY" -m pytest -m vllm -q tests/engines/test_engine_vllm.py
 
 echo "== 2/5 vLLM vs transformers engine, weight sync"
 "$PY" benchmarks/engine_throughput.py --device cuda --out benchmarks/results/gpu_engine_throughput.json

@@ -11,14 +11,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
-from optin import OPT_IN, required
+from helpers.optin import OPT_IN, required
 
 from trace_lightning.models import build_policy, build_tiny_model
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked with an opt-in resource it lacks skips with the reason, or fails where the run
-    requires that resource (`TRACE_REQUIRE`, set by the CI step that installs it; see optin.py)."""
+    requires that resource (`TRACE_REQUIRE`, set by the CI step that installs it; see helpers/optin.py)."""
     for name, opt_in in OPT_IN.items():
         if item.get_closest_marker(name) is None or opt_in.present():
             continue

@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from chain_fixtures import make_data, make_module
+from helpers.chain_fixtures import make_data, make_module
 
 from trace_lightning import allocation as alloc
 from trace_lightning.collector import RolloutCollector
@@ -191,7 +191,7 @@ def test_evaluation_samples_at_its_own_temperature_on_the_chosen_tasks(tiny_mode
 
 
 def test_held_out_success_draws_the_curve_before_training_and_every_k_iterations(tiny_model_dir):
-    from chain_fixtures import fit
+    from helpers.chain_fixtures import fit
 
     from trace_lightning.callbacks import HeldOutSuccess
 
@@ -230,7 +230,7 @@ def test_a_probed_run_trains_exactly_like_an_unprobed_one(tiny_model_dir):
     """SuccessProbe plays 2 x half episodes of every candidate between sampling and training; the
     probed and the plain run must sample the same trees, report the same counters and end with the
     same weights."""
-    from chain_fixtures import fit
+    from helpers.chain_fixtures import fit
 
     from trace_lightning.callbacks import SuccessProbe
 

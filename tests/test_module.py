@@ -4,7 +4,7 @@ the predictor head (joint loss, companion backbone) and shared-prefix scoring.""
 import numpy as np
 import pytest
 import torch
-from chain_fixtures import fit, make_data, make_module
+from helpers.chain_fixtures import fit, make_data, make_module
 
 from trace_lightning.losses import predictor_mse
 from trace_lightning.module import ModuleSettings

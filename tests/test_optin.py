@@ -9,10 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import conftest
-import optin
 import pytest
 import test_trainer
-from optin import OPT_IN
+from helpers import optin
+from helpers.optin import OPT_IN
 
 TESTS = Path(__file__).parent
 
@@ -70,12 +70,12 @@ def unguarded(source: str) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("path", sorted(TESTS.glob("test_*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(TESTS.rglob("test_*.py")), ids=lambda p: p.name)
 def test_every_test_that_needs_an_opt_in_resource_is_guarded(path):
     if path.name == Path(__file__).name:  # this file names the triggers on purpose
         return
     assert unguarded(path.read_text()) == [], (
-        f"{path.name}: mark these tests with the resource's marker (tests/optin.py), e.g. "
+        f"{path.name}: mark these tests with the resource's marker (tests/helpers/optin.py), e.g. "
         "@pytest.mark.gemma, so they skip where it is not installed"
     )
 

@@ -2,7 +2,7 @@
 when they can reach a batch boundary, and within the deadline without one when a collective is stuck.
 
 The first test is the mechanism alone on a bare gloo process group (seconds, default suite); the others
-run the CLI's own build under 2-process DDP on CPU (tests/ddp_worker.py) and are marked slow."""
+run the CLI's own build under 2-process DDP on CPU (tests/helpers/ddp_worker.py) and are marked slow."""
 
 import os
 import signal
@@ -18,12 +18,12 @@ from helpers import DDP_WORKER
 from trace_lightning.checkpoints import newest_valid_checkpoint, validate_checkpoint
 from trace_lightning.checkpoints.files import Manifest
 
-STUCK_WORKER = Path(__file__).with_name("stuck_worker.py")
+STUCK_WORKER = Path(__file__).parent / "helpers" / "stuck_worker.py"
 
 # 2 DDP processes on the tiny model; many iterations, so the run is still going when it is signalled
 RUN = ["trainer.max_epochs=50", "budget.leaves=12", "data.pool_size=8", "~callbacks.progress"]
-# rank 1 hangs at the start of iteration 1 (tests/ddp_worker.py StuckAt)
-STUCK = ["+callbacks.stuck._target_=ddp_worker.StuckAt", "+callbacks.stuck.rank=1"]
+# rank 1 hangs at the start of iteration 1 (tests/helpers/ddp_worker.py StuckAt)
+STUCK = ["+callbacks.stuck._target_=helpers.ddp_worker.StuckAt", "+callbacks.stuck.rank=1"]
 
 
 def start(out: Path, *overrides: str) -> subprocess.Popen:

@@ -28,7 +28,7 @@ GROUP_OPTIONS = [
     if group.is_dir() and group.name not in ("experiment", "debug", "__pycache__")
     for option in sorted(group.glob("*.yaml"))
 ]
-# options that build an opt-in resource carry its marker (tests/optin.py; tests/test_optin.py checks it)
+# options that build an opt-in resource carry its marker (tests/helpers/optin.py; test_optin.py checks it)
 OPT_IN_OPTIONS = {("model", "gemma3_270m"): pytest.mark.gemma}
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

@@ -253,7 +253,7 @@ class Selection:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.visits = {int(t): [int(i) for i in v] for t, v in state["visits"].items()}
         # Rows of an older gate's evidence (first lists for the AUROC gate, then 4 fields)
-        # cannot feed this gate, which starts its window empty (tests/test_checkpoint_compat.py).
+        # cannot feed this gate, which starts its window empty (tests/checkpoints/test_checkpoint_compat.py).
         rows = [h for h in state["history"] if len(h) == 5]  # (iteration, p, reference, successes, n)
         self.history = [(int(h[0]), *(float(x) for x in h[1:])) for h in rows]  # type: ignore[misc]
         self.outcomes = [(int(i), float(s), float(n)) for i, s, n in state.get("outcomes", [])]

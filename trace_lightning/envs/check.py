@@ -57,7 +57,7 @@ MAX_HANGS = 3  # calls abandoned before the check stops: each costs step_seconds
 MAX_OBSERVATION_CHARS = 20_000
 # The runner's defaults (runner.EpisodeLimits, the `data` group): where it cuts an observation, and the
 # episode's token cap. Written out, not imported, so that envs/ needs nothing from the runner;
-# tests/test_envs_check.py fails when they drift apart.
+# tests/envs/test_envs_check.py fails when they drift apart.
 RUNNER_OBSERVATION_CHARS = 4000
 RUNNER_EPISODE_TOKENS = 768
 

@@ -8,7 +8,7 @@ instances that prefix leaves by replaying its calls on fresh instances. Replays 
 instances after a prefix, kept privately and handed out as deep copies), and a miss starts from the
 longest cached prefix, so a turn usually costs one deep copy and one call. Because every caller gets
 its own copy, a continuation branched from any prefix sees exactly that prefix's state, never a
-sibling's calls (TRACE continues from turn prefixes; tests/test_envs_bfcl.py checks both).
+sibling's calls (TRACE continues from turn prefixes; tests/envs/test_envs_bfcl.py checks both).
 
 What may be called: only a function documented for the entry (its involved classes' docs, less the
 excluded ones), looked up on the class as a public method: never a private or

@@ -1,7 +1,7 @@
-"""Run by tests/test_colocated.py as `python tests/colocated_worker.py OUT_DIR STRATEGY [overrides...]`,
-STRATEGY `ddp` or `fsdp2`: the CLI's own `build()` and `fit` on 2 CPU processes (Lightning relaunches
-this script for rank 1) with the vLLM engine, under a short torch.distributed timeout, so that a process
-waiting on another fails within it instead of hanging. Each rank writes the trees it rolled out itself
+"""Run by tests/test_colocated.py as `python tests/helpers/colocated_worker.py OUT_DIR STRATEGY
+[overrides...]`, STRATEGY `ddp` or `fsdp2`: the CLI's own `build()` and `fit` on 2 CPU processes (Lightning
+relaunches this script for rank 1) with the vLLM engine, under a short torch.distributed timeout, so that a
+process waiting on another fails within it instead of hanging. Each rank writes the trees it rolled out itself
 in every iteration, and its engine's call count, to OUT_DIR/rank<k>.json.
 
 `TurnsEnv` plays episodes of an exact number of turns, which may differ by rank (`turns_by_rank=[3, 1]`:
@@ -11,6 +11,10 @@ import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+
+# Run by path, this folder is sys.path[0]; tests/ makes `helpers` importable, so that the Hydra targets
+# `helpers.<worker>.<Class>` resolve here as they do in the test process.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L
 import torch.distributed as dist

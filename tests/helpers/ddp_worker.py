@@ -1,9 +1,9 @@
-"""Run by tests/test_distributed.py as `python tests/ddp_worker.py OUT_DIR [overrides...]`: the CLI's own
-`build()` with trainer.strategy=ddp on 2 CPU processes (Lightning relaunches this script for rank 1).
-Each rank writes its pid to OUT_DIR/rank<k>.pid when training starts, and what it saw of every iteration
-to OUT_DIR/rank<k>.json at the end.
+"""Run by tests/test_distributed.py as `python tests/helpers/ddp_worker.py OUT_DIR [overrides...]`: the CLI's
+own `build()` with trainer.strategy=ddp on 2 CPU processes (Lightning relaunches this script for rank 1). Each
+rank writes its pid to OUT_DIR/rank<k>.pid when training starts, and what it saw of every iteration to
+OUT_DIR/rank<k>.json at the end.
 
-`StuckAt` (tests/test_stopping.py, `+callbacks.stuck._target_=ddp_worker.StuckAt`) makes one rank hang
+`StuckAt` (tests/test_stopping.py, `+callbacks.stuck._target_=helpers.ddp_worker.StuckAt`) makes one rank hang
 at the start of a chosen iteration's first batch, as a process stuck outside any collective would: the
 other rank then waits in the next collective forever."""
 
@@ -13,10 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+# Run by path, this folder is sys.path[0]; tests/ makes `helpers` importable, so that the Hydra targets
+# `helpers.<worker>.<Class>` resolve here as they do in the test process.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import lightning as L
-from helpers import listening
 from hydra import compose, initialize_config_dir
 
+from helpers import listening
 from trace_lightning import config
 from trace_lightning import trainer as cli
 

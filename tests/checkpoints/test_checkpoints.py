@@ -2,7 +2,7 @@
 
 One real checkpoint is trained once per module (debug=fast, one iteration); every case copies it and
 damages the copy in its own way. The table's size and results are the red-team pass's figures:
-`pytest tests/test_checkpoints.py -k corruption -v`.
+`pytest tests/checkpoints/test_checkpoints.py -k corruption -v`.
 """
 
 from __future__ import annotations

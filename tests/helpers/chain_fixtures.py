@@ -5,9 +5,9 @@ import dataclasses
 import functools
 
 import torch
-from helpers import quiet_trainer
 from peft import LoraConfig
 
+from helpers import quiet_trainer
 from trace_lightning import allocation as alloc
 from trace_lightning.budget import Budget
 from trace_lightning.data import DataSettings, RolloutDataModule

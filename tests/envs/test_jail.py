@@ -36,7 +36,7 @@ LIMITS = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_mb=256, scratch_m
 DEADLINE = LIMITS.wall_seconds + 3.0  # the 2 s backstop, plus start-up on a shared 2-core machine
 SECRET = f"secret-{secrets.token_hex(8)}"
 CANARY = f"canary-{secrets.token_hex(8)}"
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 CHECKOUT_MARK = next(
     line for line in (CHECKOUT / "pyproject.toml").read_text().splitlines() if "name =" in line
 )

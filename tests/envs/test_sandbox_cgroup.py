@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import require_bwrap
-from host_meter import HostMeter, memory_group
+from helpers.host_meter import HostMeter, memory_group
 
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.sandbox import SandboxLimits, cgroup, run_python

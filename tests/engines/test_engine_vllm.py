@@ -14,8 +14,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from chain_fixtures import make_data
 from helpers import quiet_trainer, run_ddp_worker, trace_module
+from helpers.chain_fixtures import make_data
 from peft import LoraConfig, get_peft_model
 
 from trace_lightning.engines.base import SamplingParams
@@ -167,7 +167,7 @@ def test_trace_iterations_through_lightning_with_vllm(model_dir):
 
 def test_engine_throughput_benchmark_quick_mode(tmp_path):
     out = tmp_path / "engine_throughput.json"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "benchmarks/engine_throughput.py", "--quick", "--out", str(out)],
         cwd=root,
@@ -194,7 +194,7 @@ def test_engine_iteration_benchmark_quick_mode(tmp_path):
     """benchmarks/engine_iteration.py on the tiny model with LoRA: both engines ran the same
     iterations of the CLI's job, its phases add up, and its ratio is the one it prints."""
     out = tmp_path / "engine_iteration.json"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     args = ["--quick", "--reps", "2", "--override", "adapter=lora", "adapter.r=4", "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, "benchmarks/engine_iteration.py", *args],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 from helpers import require_bwrap
-from host_meter import HostMeter, MiB, Taken
+from helpers.host_meter import HostMeter, MiB, Taken
 
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.envs.sandbox import SandboxLimits

@@ -1,7 +1,7 @@
-"""Run by tests/test_stopping.py as `python tests/stuck_worker.py OUT_DIR RANK PORT DEADLINE`: one of two
-processes of a gloo process group, with `StopOnSignal` installed as a fit would install it. Rank 1 then
-hangs outside any collective (a stuck process) and rank 0 waits for it in an all-reduce, forever.
-Each writes OUT_DIR/rank<k>.ready with its pid once it is there."""
+"""Run by tests/test_stopping.py as `python tests/helpers/stuck_worker.py OUT_DIR RANK PORT DEADLINE`: one of
+two processes of a gloo process group, with `StopOnSignal` installed as a fit would install it. Rank 1 then
+hangs outside any collective (a stuck process) and rank 0 waits for it in an all-reduce, forever. Each writes
+OUT_DIR/rank<k>.ready with its pid once it is there."""
 
 import os
 import sys

@@ -1,8 +1,8 @@
-"""Run by tests/test_fsdp.py as `python tests/fsdp_worker.py OUT_DIR STRATEGY [overrides...]`, STRATEGY
-`fsdp2` (trainer=fsdp2) or `ddp`: the CLI's own `build()` and `fit` on 2 CPU processes (Lightning
+"""Run by tests/test_fsdp.py as `python tests/helpers/fsdp_worker.py OUT_DIR STRATEGY [overrides...]`,
+STRATEGY `fsdp2` (trainer=fsdp2) or `ddp`: the CLI's own `build()` and `fit` on 2 CPU processes (Lightning
 relaunches this script for rank 1). Each rank writes what it saw to OUT_DIR/rank<k>.json (its losses,
-iterations and batches); rank 0 also writes the trainable weights before and after, gathered in full,
-to OUT_DIR/weights.pt.
+iterations and batches); rank 0 also writes the trainable weights before and after, gathered in full, to
+OUT_DIR/weights.pt.
 
 `ParityEnv` is a one-turn task whose reward a random tiny model can earn (an answer of even length
 wins), so that advantages, and with them the policy's gradients, are not all zero."""
@@ -10,6 +10,10 @@ wins), so that advantages, and with them the policy's gradients, are not all zer
 import json
 import sys
 from pathlib import Path
+
+# Run by path, this folder is sys.path[0]; tests/ makes `helpers` importable, so that the Hydra targets
+# `helpers.<worker>.<Class>` resolve here as they do in the test process.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L
 import torch

@@ -22,7 +22,7 @@ from trace_lightning.checkpoints import CheckpointError, fingerprint
 from trace_lightning.checkpoints.files import Manifest
 from trace_lightning.checkpoints.fingerprint import same_group
 
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_6395ee8"  # see its README.md
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "checkpoints_6395ee8"  # see its README.md
 # The overrides the fixtures were written with (the fingerprint and the seeded tiny model depend on them)
 WRITTEN_WITH = [
     "debug=fast",

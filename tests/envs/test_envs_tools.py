@@ -24,7 +24,7 @@ from trace_lightning.envs.tools import (
     schemas,
 )
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "capitals"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "capitals"
 
 
 def add(a: int, b: int = 0) -> int:

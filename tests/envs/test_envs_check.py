@@ -33,7 +33,7 @@ from trace_lightning.envs.decisive import DecisiveEnv
 from trace_lightning.envs.math_tool import MathToolEnv
 from trace_lightning.runner import EpisodeLimits
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "capitals"
 SEARCHPATH = f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]"
 

@@ -37,7 +37,7 @@ def quiet_trainer(**overrides) -> L.Trainer:
 
 
 def run_ddp_worker(out: Path, *overrides: str) -> list[list[dict]]:
-    """`tests/ddp_worker.py` on 2 CPU processes with this interpreter; what each rank recorded."""
+    """`tests/helpers/ddp_worker.py` on 2 CPU processes with this interpreter; what each rank recorded."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(DDP_WORKER), str(out), *overrides],

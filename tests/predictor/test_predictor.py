@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from chain_fixtures import make_data, make_module
+from helpers.chain_fixtures import make_data, make_module
 
 from trace_lightning import allocation as alloc
 from trace_lightning.metrics import calibration_metrics
