@@ -26,6 +26,16 @@ def test_allocators_say_what_they_can_spend_over_a_pool():
     assert not grpo.can_spend(12, pool_size=2)  # three groups need three prompts
     spread = alloc.trace(2, group_size=4, pricing=alloc.Pricing())
     assert spread.can_spend(21, pool_size=8) and not spread.can_spend(22, pool_size=8)  # 1 + N = 3
+    assert spread.can_spend(22, pool_size=8, steer=False)  # closed: every leaf a bare rollout
+
+
+def test_a_closed_gate_splits_token_budgets_into_grpos_groups():
+    """Open, trace splits by 1 + N; closed, it is GRPO and splits by GRPO's group size, as uniform does."""
+    trace = alloc.trace(2, group_size=4, pricing=alloc.Pricing())
+    assert trace.leaf_step(steer=True) == 3
+    assert trace.leaf_step(steer=False) == alloc.uniform(4).leaf_step() == 4
+    ungated = alloc.trace(2)  # no closed rule: the gate changes nothing
+    assert ungated.leaf_step(steer=False) == ungated.leaf_step(steer=True)
 
 
 def test_ledger_refuses_overspending():

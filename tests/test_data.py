@@ -93,6 +93,28 @@ class TestTokenBudget:
             expected = leaves - step if cut else min(36, int(0.9 * 600 * leaves / tokens) // step * step)
             assert following == max(step, expected)
 
+    def test_a_closed_gate_plans_grpos_groups_of_4(self, tiny_model_dir):
+        """While the skill gate is closed, trace under `budget.unit=tokens` plans whole groups of 4 every
+        iteration, as `allocator=uniform` does (before, its step was 1 + N = 3, so it ran groups of 3
+        and 4 where GRPO's are all 4)."""
+        from trace_lightning.pricing import Pricing
+        from trace_lightning.selection import Selection
+
+        torch.manual_seed(0)
+        module = make_module(tiny_model_dir)
+        allocator = alloc.trace(2, max_per_prompt=4, group_size=4, pricing=Pricing())
+        gate = Selection(explore_groups=1, explore_size=4, gate_skill=0.99)  # a bar the head will not clear
+        data = make_data(allocator, leaves=36, max_tokens=500, unit="tokens", selection=gate)
+        planned = []
+        for _ in range(3):
+            data.build_iteration(module)
+            report = data.report
+            counts = [int(m) for m in report.result.root_counts if m]
+            assert not report.steered and set(counts) == {4}
+            assert report.result.ledger.leaves == {"bare": 4 * len(counts), "expand": 0}
+            planned.append(report.result.ledger.budget.leaves)
+        assert planned[0] == 16 and len(set(planned)) > 1  # half of 36 in 4s, then the cost moves it
+
     def test_at_an_equal_token_budget_the_tree_method_gets_more_leaves_and_the_same_steps(
         self, tiny_model_dir
     ):

@@ -341,9 +341,13 @@ class TreeAllocator:
                 "expansion > 0 (the named allocators pass one only then)"
             )
 
-    def leaf_step(self) -> int:
+    def leaf_step(self, steer: bool = True) -> int:
         """The leaves this allocator can split budgets by: (1 + N) times the root rules' group size (a
-        rule that `spread`s its remainder splits any count)."""
+        rule that `spread`s its remainder splits any count). While the gate `closes` it to GRPO, the
+        closed rule's own group size: a token budget then buys whole GRPO groups, as `uniform` does,
+        not groups of 3 and 4 where GRPO's are all 4."""
+        if self.closes(steer):
+            return int(getattr(self.closed, "group_size", 1))
         group = max(
             1 if getattr(rule, "spread", False) else int(getattr(rule, "group_size", 1))
             for rule in (self.roots, self.closed)
@@ -376,11 +380,14 @@ class TreeAllocator:
                 continue
         return np.zeros(len(predicted), dtype=np.int64)
 
-    def can_spend(self, leaves: int, pool_size: int) -> bool:
-        """Whether this allocator can spend exactly `leaves` over a pool of `pool_size` candidates: tried
-        on flat estimates and a throwaway RNG, so no run's draws are touched."""
+    def can_spend(self, leaves: int, pool_size: int, steer: bool = True) -> bool:
+        """Whether this allocator can spend exactly `leaves` over a pool of `pool_size` candidates, with
+        the gate open (`steer`) or closed: tried on flat estimates and a throwaway RNG, so no run's
+        draws are touched."""
         try:
-            self.allocate_roots(np.full(pool_size, 0.5), Budget(leaves), np.random.default_rng(0))
+            self.allocate_roots(
+                np.full(pool_size, 0.5), Budget(leaves), np.random.default_rng(0), steer=steer
+            )
         except BudgetError:
             return False
         return True

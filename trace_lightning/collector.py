@@ -112,10 +112,11 @@ class RolloutCollector:
         split_seed: int | None = None,  # the held-out split's seed (None: `seed`)
     ) -> None:
         allocator.n_roots(budget)  # a budget the allocator cannot split fails here, at start-up
-        if budget.unit == "tokens" and budget.leaves < allocator.leaf_step():
+        step = max(allocator.leaf_step(True), allocator.leaf_step(False))  # gate open, gate closed
+        if budget.unit == "tokens" and budget.leaves < step:
             raise BudgetError(
                 f"budget.leaves={budget.leaves}: with budget.unit=tokens it is the most leaves an iteration "
-                f"may spend, and {allocator.name} splits budgets by {allocator.leaf_step()}; raise it"
+                f"may spend, and {allocator.name} splits budgets by {step}; raise it"
             )
         require_sampling(sampling)
         ids = [t.task_id for t in env.tasks()]
@@ -237,12 +238,13 @@ class RolloutCollector:
     def _iteration_budget(self) -> Budget:
         """This iteration's budget (`budget.plan_leaves`): under `budget.unit=tokens` never fewer leaves
         than the unbiased slice takes."""
-        step = self.allocator.leaf_step()
+        steer, _ = self.selection.gate()  # the state this iteration's plan will see
+        step = self.allocator.leaf_step(steer)
         slice_leaves = (
             self.selection.explore_groups * self.selection.explore_size * (1 + self.allocator.expansion)
         )
         least = max(step, -(-slice_leaves // step) * step)
-        can_spend = partial(self.allocator.can_spend, pool_size=self.pool_size)
+        can_spend = partial(self.allocator.can_spend, pool_size=self.pool_size, steer=steer)
         return plan_leaves(self.budget, self._spent, step, least, can_spend)
 
     def _plan(
