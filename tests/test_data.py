@@ -4,6 +4,7 @@ re-entry of branched prefixes, robustness to malformed actions, and resume state
 import dataclasses
 import functools
 import itertools
+import re
 
 import lightning as L
 import numpy as np
@@ -324,9 +325,13 @@ class CountingBar:
     total: int
     n: int = 0
     closed: bool = False
+    postfix: list = dataclasses.field(default_factory=list, compare=False)
 
     def update(self, n=1):
         self.n += n
+
+    def set_postfix_str(self, text):
+        self.postfix.append(text)
 
     def close(self):
         self.closed = True
@@ -341,6 +346,11 @@ def test_a_registered_progress_counts_sampling_and_evaluation_episodes(tiny_mode
     result = data.evaluate(module, EvalSettings(samples=2), "evaluation after 1 iterations")
     assert result is not None and result.episodes == 8  # 4 held-out tasks x 2 episodes
     assert progress.bars == [CountingBar("evaluation after 1 iterations", 8, n=8, closed=True)]
+    # batched episodes end together: the bar also says after each turn how many are still running
+    turns = [tuple(int(w) for w in re.findall(r"\d+", text)) for text in progress.bars[0].postfix]
+    assert [t for t, _ in turns] == list(range(1, len(turns) + 1)) and 1 < len(turns) <= DATA.max_turns
+    running = [r for _, r in turns]
+    assert running == sorted(running, reverse=True) and running[0] > 0 and running[-1] == 0
     sampled, data.progress = progress.sampled, None  # no display: the collector gets no hook
     data.build_iteration(module)
     assert data.evaluate(module, EvalSettings(samples=2), "unseen") is not None

@@ -163,8 +163,13 @@ class RolloutDataModule(L.LightningDataModule):
             if bar is not None:
                 bar.update(1)
 
+        def turn_done(turns: int, running: int) -> None:
+            if bar is not None:
+                bar.set_postfix_str(f"turn {turns} played, {running} running")
+
         try:
-            return self.collector.evaluator.evaluate(module, settings, None if bar is None else episode_done)
+            hooks = (None, None) if bar is None else (episode_done, turn_done)
+            return self.collector.evaluator.evaluate(module, settings, *hooks)
         finally:
             if bar is not None:
                 bar.close()

@@ -63,7 +63,10 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
     )
     try:
         result = parts.data.collector.evaluator.evaluate(
-            module, parts.evaluation, on_episode_end=lambda: bar.update(1)
+            module,
+            parts.evaluation,
+            on_episode_end=lambda: bar.update(1),
+            on_turn=lambda turns, running: bar.set_postfix_str(f"turn {turns} played, {running} running"),
         )
     finally:
         bar.close()

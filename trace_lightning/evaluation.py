@@ -214,16 +214,22 @@ class Evaluator:
         }[which]
 
     def evaluate(
-        self, module: Any, settings: EvalSettings, on_episode_end: Callable[[], None] | None = None
+        self,
+        module: Any,
+        settings: EvalSettings,
+        on_episode_end: Callable[[], None] | None = None,
+        on_turn: Callable[[int, int], None] | None = None,
     ) -> EvalResult | None:
         """`settings.samples` episodes of every task in `settings.tasks` at the evaluation's temperature,
         scored (`score`). None: no such task (data.held_out=0). `on_episode_end` is called as each
-        episode ends."""
+        episode ends, `on_turn(turns played, episodes running)` after each batched turn."""
         task_ids = self.tasks(settings.tasks)
         if not task_ids:
             return None
         start, sampling = time.perf_counter(), settings.sampling(self.sampling)
-        trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, on_episode_end)
+        trees = self.play(
+            module, task_ids, settings.samples, settings.seed, sampling, on_episode_end, on_turn
+        )
         return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
 
     def probe(self, module: Any, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
@@ -240,14 +246,16 @@ class Evaluator:
         seed: int,
         sampling: SamplingParams | None = None,
         on_episode_end: Callable[[], None] | None = None,
+        on_turn: Callable[[int, int], None] | None = None,
     ) -> list[RolloutTree]:
         """`samples` bare episodes of each task: a runner of its own (its counters are not the
         iteration's), the torch RNG saved and restored around a draw seeded with `seed`, and the
         engine's counters for these episodes taken and dropped. `sampling`: another temperature than
-        the training one (an evaluation's); `on_episode_end`: a progress display's hook."""
+        the training one (an evaluation's); `on_episode_end`, `on_turn`: a progress display's hooks
+        (`ReActRunner`)."""
         engine = self.engine(module)
         runner = ReActRunner(engine, module.tokenizer, self.env, sampling or self.sampling, self.limits)
-        runner.on_episode_end = on_episode_end
+        runner.on_episode_end, runner.on_turn = on_episode_end, on_turn
         trees = [runner.new_tree(t) for t in task_ids]
         ledger = BudgetLedger(Budget(max(1, len(trees) * samples)))
         ledger.reserve_leaves(len(trees) * samples, "bare")

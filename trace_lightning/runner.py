@@ -162,6 +162,9 @@ class ReActRunner:
         self.context = context_tokens(tokenizer)
         self.counters = RolloutCounters()
         self.on_episode_end: Callable[[], None] | None = None  # a progress display's hook, if any
+        # and another, after each batched turn: (turns played, episodes still running). Batched episodes
+        # tend to end together, so a display shows the turns meanwhile.
+        self.on_turn: Callable[[int, int], None] | None = None
 
     def take_counters(self) -> RolloutCounters:
         """The counters since the last call, which start again from zero."""
@@ -180,8 +183,11 @@ class ReActRunner:
 
     def __call__(self, branches: Sequence[Branch], ledger: BudgetLedger, rng: np.random.Generator) -> None:
         live = [self._start(b) for b in branches for _ in range(b.count)]
+        played = 0
         while any_busy(self.engine, bool(live)):  # rounds: one batched engine call per turn
-            live = self._turn(live, ledger)
+            live, played = self._turn(live, ledger), played + 1
+            if self.on_turn is not None:
+                self.on_turn(played, len(live))
 
     def _start(self, branch: Branch) -> _Episode:
         tree = branch.tree
