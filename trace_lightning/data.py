@@ -159,17 +159,8 @@ class RolloutDataModule(L.LightningDataModule):
         progress = self.progress if episodes > 0 else None
         bar = None if progress is None else progress.episode_bar(description, episodes)
 
-        def episode_done() -> None:
-            if bar is not None:
-                bar.update(1)
-
-        def turn_done(turns: int, running: int) -> None:
-            if bar is not None:
-                bar.set_postfix_str(f"turn {turns} played, {running} running")
-
         try:
-            hooks = (None, None) if bar is None else (episode_done, turn_done)
-            return self.collector.evaluator.evaluate(module, settings, *hooks)
+            return self.collector.evaluator.evaluate(module, settings, bar)
         finally:
             if bar is not None:
                 bar.close()

@@ -62,12 +62,7 @@ def evaluate(cfg: DictConfig) -> tuple[EvalResult, Path]:
         total=len(tasks) * parts.evaluation.samples, desc="evaluating", unit="episode", dynamic_ncols=True
     )
     try:
-        result = parts.data.collector.evaluator.evaluate(
-            module,
-            parts.evaluation,
-            on_episode_end=lambda: bar.update(1),
-            on_turn=lambda turns, running: bar.set_postfix_str(f"turn {turns} played, {running} running"),
-        )
+        result = parts.data.collector.evaluator.evaluate(module, parts.evaluation, bar)
     finally:
         bar.close()
         parts.data.collector.close()

@@ -213,23 +213,22 @@ class Evaluator:
             "all": sorted(self.train_ids + self.held_out),
         }[which]
 
-    def evaluate(
-        self,
-        module: Any,
-        settings: EvalSettings,
-        on_episode_end: Callable[[], None] | None = None,
-        on_turn: Callable[[int, int], None] | None = None,
-    ) -> EvalResult | None:
+    def evaluate(self, module: Any, settings: EvalSettings, bar: Any = None) -> EvalResult | None:
         """`settings.samples` episodes of every task in `settings.tasks` at the evaluation's temperature,
-        scored (`score`). None: no such task (data.held_out=0). `on_episode_end` is called as each
-        episode ends, `on_turn(turns played, episodes running)` after each batched turn."""
+        scored (`score`). None: no such task (data.held_out=0). `bar` (a tqdm bar, or anything with
+        `update` and `set_postfix_str`) counts the episodes as they end and shows, after each batched
+        turn, the turns played and the episodes still running (batched episodes tend to end together)."""
         task_ids = self.tasks(settings.tasks)
         if not task_ids:
             return None
         start, sampling = time.perf_counter(), settings.sampling(self.sampling)
-        trees = self.play(
-            module, task_ids, settings.samples, settings.seed, sampling, on_episode_end, on_turn
-        )
+        hooks: tuple[Any, Any] = (None, None)
+        if bar is not None:
+            hooks = (
+                lambda: bar.update(1),
+                lambda turns, running: bar.set_postfix_str(f"turn {turns} played, {running} running"),
+            )
+        trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, *hooks)
         return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
 
     def probe(self, module: Any, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
