@@ -75,12 +75,25 @@ def train(overrides: list[str], run_dir: Path, keep: Path | None = None) -> dict
     return record
 
 
+def ensure_warm_start(model_dir: str, env: list[str]) -> None:
+    """Build a task's warm start (`python -m trace_lightning.warmstart`, 64 demonstrations of the task) when
+    its folder is missing, so a comparison resumed on a new machine needs no other step. The warm start is
+    seeded: the same code builds the same model (each run records its held-out start, which shows it)."""
+    folder = ROOT / model_dir
+    if (folder / "warm_start.json").is_file():
+        return
+    command = [sys.executable, "-m", "trace_lightning.warmstart", *env, f"run_dir={folder.parent}"]
+    print("$", " ".join(["python", *command[1:]]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
 def per_iteration(record: dict[str, Any], field: str) -> list[float]:
     return [float(it[field]) for it in record["iterations"]]
 
 
 def default_job(args: argparse.Namespace) -> None:
     Path(args.work).mkdir(parents=True, exist_ok=True)
+    ensure_warm_start(args.warm_start, [])
     record = train([f"model.warm_start={args.warm_start}", *args.extra], Path(args.work) / "trace_seed0")
     held = record["held_out"]
     out = {
@@ -190,6 +203,7 @@ def compare(args: argparse.Namespace) -> None:
                         continue
                     runs.setdefault(m, {})[str(seed)] = json.loads(kept.read_text())  # an earlier part's
                 else:
+                    ensure_warm_start(spec["warm_start"], spec["env"])
                     runs.setdefault(m, {})[str(seed)] = train(overrides, path, keep=RUNS)
                 record.setdefault("tasks", {})[task] = task_report(spec, runs, seeds, args)
                 record["seconds_this_part"] = time.perf_counter() - began
@@ -296,6 +310,7 @@ def pilot(args: argparse.Namespace) -> None:
         *args.extra,
     ]
     if not (run_dir / "evaluation.json").is_file():
+        ensure_warm_start(spec["warm_start"], spec["env"])
         subprocess.run([sys.executable, "-m", "trace_lightning.evaluate", *overrides], cwd=ROOT, check=True)
     result = json.loads((run_dir / "evaluation.json").read_text())["result"]
     config.register()
