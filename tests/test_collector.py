@@ -15,6 +15,7 @@ from trace_lightning.collector import RolloutCollector
 from trace_lightning.engines.auto import auto_engine
 from trace_lightning.engines.base import SamplingParams
 from trace_lightning.engines.hf import HFEngine
+from trace_lightning.envs.chain import ChainEnv
 from trace_lightning.evaluation import EvalSettings
 from trace_lightning.metrics import rollout_metrics
 
@@ -155,6 +156,29 @@ def test_held_out_tasks_never_enter_a_pool_and_evaluation_leaves_training_untouc
     again = [evaluated.collector.evaluator.evaluate(module, settings).successes for _ in range(2)]
     assert again[0] == again[1]
     assert make_data().collector.evaluator.evaluate(module, settings) is None  # nothing held out
+
+
+class ParityChain(ChainEnv):
+    """The chain task with one attribute: the task id's parity (`envs.base.HasAttributes`)."""
+
+    def attributes(self, task):
+        return (f"parity={task.task_id % 2}", "unused=finer")
+
+
+def test_held_out_pass_at_1_is_broken_down_by_the_tasks_coarsest_attribute(tiny_model_dir):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    data = make_data(held_out=6, env=ParityChain(n_tasks=24, turns=3, seed=0))
+    result = data.collector.evaluator.evaluate(module, EvalSettings(samples=2, seed=5))
+    assert result.groups == tuple(f"parity={t % 2}" for t in result.task_ids)
+    expected = {}  # pass@1 per parity, from the per-task successes
+    for t, c in zip(result.task_ids, result.successes, strict=True):
+        expected.setdefault(f"parity={t % 2}", []).append(c / 2)
+    assert {g: (p, n) for g, (p, _, n) in result.by_group().items()} == {
+        g: (pytest.approx(sum(r) / len(r)), len(r)) for g, r in expected.items()
+    }
+    plain = make_data(held_out=6).collector.evaluator.evaluate(module, EvalSettings(samples=2, seed=5))
+    assert plain.groups == () and plain.by_group() == {}  # an env without attributes
 
 
 class TemperatureSpy(HFEngine):

@@ -111,7 +111,7 @@ def test_a_long_run_summary_stays_one_screen():
     assert summary_text(FitSummary((), 3.0)) == "TRACE summary: no iteration finished (3.0 s)."
 
 
-def evaluated(successes, samples=4, k=4, temperature=0.8):
+def evaluated(successes, samples=4, k=4, temperature=0.8, groups=()):
     """An evaluation of tasks 0, 1, ... with these success counts (scored by evaluation.score)."""
     trees = []
     for task, c in enumerate(successes):
@@ -119,7 +119,7 @@ def evaluated(successes, samples=4, k=4, temperature=0.8):
         for r in [1.0] * c + [0.0] * (samples - c):
             tree.finish(tree.add_turn(0, "bare", [3], []), r, "answer")
         trees.append(tree)
-    return score(trees, k, temperature, 1.0)
+    return score(trees, k, temperature, 1.0, groups)
 
 
 def test_the_summary_ends_with_the_held_out_learning_curve():
@@ -140,6 +140,26 @@ def test_the_summary_ends_with_the_held_out_learning_curve():
         greedy.splitlines()[-1] == "held-out pass@1 ± SE (2 tasks x 1 episodes, greedy): 0.50 ± 0.50 after 0"
     )
     assert "held-out" not in summary_text(FitSummary(its, 10.0))  # no held-out tasks, no line
+
+
+def test_the_summary_shows_held_out_pass_at_1_by_group_where_tasks_carry_attributes():
+    its = (row(0, 0.5, 0.5, 1, 0, 100, 1.0, 1.0, 1.0),)
+    groups = ("steps=1", "steps=1", "steps=2")
+    # steps=1: tasks solved 0 and 2 of 4 -> 0.25, then 4 and 4 -> 1.00; steps=2: 4 of 4 -> 1.00,
+    # then 1 -> 0.25
+    curve = ((0, evaluated([0, 2, 4], groups=groups)), (2, evaluated([4, 4, 1], groups=groups)))
+    lines = summary_text(FitSummary(its, 10.0, curve)).splitlines()
+    assert (
+        lines[-1] == "held-out pass@1 by group, start -> last: "
+        "steps=1 (2 tasks) 0.25 -> 1.00, steps=2 (1 tasks) 1.00 -> 0.25"
+    )
+    record = json.loads(json.dumps(summary_record(FitSummary(its, 10.0, curve))))
+    assert [p["by_group"] for p in record["held_out"]["curve"]] == [
+        {"steps=1": 0.25, "steps=2": 1.0},
+        {"steps=1": 1.0, "steps=2": 0.25},
+    ]
+    plain = summary_record(FitSummary(its, 10.0, ((0, evaluated([0, 2, 4])),)))
+    assert "by_group" not in plain["held_out"]["curve"][0]  # no attributes, no groups
 
 
 def test_the_summary_record_holds_the_curve_and_its_paired_change():

@@ -116,6 +116,27 @@ def test_the_change_since_the_start_is_paired_by_task():
     )
 
 
+def test_pass_at_1_by_the_tasks_coarsest_attribute():
+    # tasks 1, 2 in group "steps=1" with 1 and 3 of 4: 0.25, 0.75 -> 0.5 +- 0.25 (SE by hand above);
+    # task 3 in "steps=2" with 2 of 4: 0.5, one task so no SE; task 4 carries none: "none", 4 of 4
+    trees = [task_tree(t, [1.0] * c + [0.0] * (4 - c)) for t, c in [(1, 1), (2, 3), (3, 2), (4, 4)]]
+    got = score(trees, 1, 0.8, 0.0, groups=["steps=1", "steps=1", "steps=2", ""])
+    by = got.by_group()
+    assert list(by) == ["none", "steps=1", "steps=2"]
+    assert by["steps=1"] == (pytest.approx(0.5), pytest.approx(0.25), 2)
+    assert by["steps=2"][0] == 0.5 and math.isnan(by["steps=2"][1]) and by["steps=2"][2] == 1
+    assert by["none"][:1] == (1.0,) and by["none"][2] == 1
+    metrics = got.metrics()  # MLflow keys take no '='
+    assert (
+        metrics["eval/pass_at_1/steps_1"] == pytest.approx(0.5) and metrics["eval/pass_at_1/steps_2"] == 0.5
+    )
+    assert score(trees, 1, 0.8, 0.0).by_group() == {}  # no attributes, no groups
+    assert score(trees, 1, 0.8, 0.0, groups=[""] * 4).by_group() == {}
+    assert not any(k.startswith("eval/pass_at_1/") for k in score(trees, 1, 0.8, 0.0).metrics())
+    with pytest.raises(ValueError, match="one per task"):
+        score(trees, 1, 0.8, 0.0, groups=["steps=1"])
+
+
 # --------------------------------------------------------------------------- the `eval` settings
 
 

@@ -162,7 +162,12 @@ class HeldOutSuccess(Callback):
 
 def _eval_result(fields: dict[str, Any]) -> EvalResult:
     return EvalResult(
-        **{**fields, "task_ids": tuple(fields["task_ids"]), "successes": tuple(fields["successes"])}
+        **{
+            **fields,
+            "task_ids": tuple(fields["task_ids"]),
+            "successes": tuple(fields["successes"]),
+            "groups": tuple(fields.get("groups", ())),
+        }
     )
 
 

@@ -132,8 +132,6 @@ class RolloutCollector:
                 f"{len(ids)} tasks, data.held_out={held_out} of them held out"
             )
         self.train_ids, self.held_out = sorted(train_ids), sorted(held)
-        # held-out evaluation and the probe: episodes outside the budget, on this run's engine
-        self.evaluator = Evaluator(env, limits, sampling, self.train_ids, self.held_out, self.synced_engine)
         self.env, self.allocator, self.engine_factory, self.sampling = env, allocator, engine, sampling
         self.budget, self.pool_size, self.limits, self.batching = budget, pool_size, limits, batching
         self.prior, self.selection, self.predictor_fit = cold_start, selection, predictor_fit
@@ -145,6 +143,12 @@ class RolloutCollector:
             {t.task_id: tuple(env.attributes(t)) for t in env.tasks()}
             if isinstance(env, HasAttributes)
             else {}
+        )
+        # held-out evaluation and the probe: episodes outside the budget, on this run's engine; its
+        # pass@1 by the tasks' coarsest attribute
+        groups = {t: keys[0] for t, keys in self.attribute_keys.items() if keys}
+        self.evaluator = Evaluator(
+            env, limits, sampling, self.train_ids, self.held_out, self.synced_engine, groups
         )
         # The engine samples with torch's global RNG; the collector owns that stream between iterations
         # (restored before and saved after each one), so whatever else draws from the global RNG in

@@ -230,6 +230,14 @@ def held_out_lines(curve: tuple[tuple[int, EvalResult], ...]) -> list[str]:
     if len(curve) > 1:
         change, se = paired_change(first, curve[-1][1])
         lines.append(f"pass@1 change since the start (paired by task): {_pm(change, se, sign=True)}")
+    start, last = first.by_group(), curve[-1][1].by_group()
+    if start:  # the tasks carry attributes: which groups the policy gained or traded
+        lines.append(
+            "held-out pass@1 by group, start -> last: "
+            + ", ".join(
+                f"{g} ({n} tasks) {p:.2f} -> {last[g][0]:.2f}" for g, (p, _, n) in start.items() if g in last
+            )
+        )
     return lines
 
 
@@ -322,7 +330,13 @@ def summary_record(summary: FitSummary, probe: Sequence[tuple[int, dict[str, flo
             "samples": first.samples,
             "temperature": first.temperature,
             "curve": [
-                {"iterations": t, "pass_at_1": r.pass_at_1, "pass_at_1_se": r.pass_at_1_se, "turns": r.turns}
+                {
+                    "iterations": t,
+                    "pass_at_1": r.pass_at_1,
+                    "pass_at_1_se": r.pass_at_1_se,
+                    "turns": r.turns,
+                    **({"by_group": {g: p for g, (p, _, _) in r.by_group().items()}} if r.groups else {}),
+                }
                 for t, r in summary.held_out
             ],
             "start": first.pass_at_1,

@@ -24,6 +24,10 @@ A learning curve evaluates the same tasks every time, so the change since its fi
 by task: its standard error is that of the per-task differences (`paired_change`), usually far
 smaller than either point's own, because each task's difficulty cancels.
 
+Where the environment gives tasks attributes (`envs.base.HasAttributes`, e.g. math_tool's "steps=2"),
+the result also holds pass@1 per value of the coarsest one (`EvalResult.by_group`), with the same SE
+over that group's tasks: on a task of mixed difficulty it shows which levels a policy gained or traded.
+
 Example: 2 tasks, 4 episodes each, 1 and 3 successes. pass@1 per task 1/4 and 3/4: mean 0.5, SE =
 std([0.25, 0.75], ddof=1) / sqrt(2) = 0.3536 / 1.4142 = 0.25. pass@2 per task: 1 - C(3,2)/C(4,2) =
 1 - 3/6 = 0.5 and 1 - C(1,2)/C(4,2) = 1 (fewer than 2 failures): mean 0.75, SE = 0.3536/1.4142 = 0.25.
@@ -32,9 +36,10 @@ std([0.25, 0.75], ddof=1) / sqrt(2) = 0.3536 / 1.4142 = 0.25. pass@2 per task: 1
 from __future__ import annotations
 
 import math
+import re
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -129,10 +134,21 @@ class EvalResult:
     reward: float  # mean episode reward
     turns: float  # mean policy turns per episode
     seconds: float  # wall time of the evaluation
+    groups: tuple[str, ...] = ()  # per task, its coarsest attribute ("": none); () when the env has none
 
     @property
     def episodes(self) -> int:
         return len(self.task_ids) * self.samples
+
+    def by_group(self) -> dict[str, tuple[float, float, int]]:
+        """pass@1, its SE over the group's tasks, and the group's task count, per value of the tasks'
+        coarsest attribute (sorted); {} when the tasks carry no attributes."""
+        if not any(self.groups):
+            return {}
+        rates: dict[str, list[float]] = {}
+        for group, wins in zip(self.groups, self.successes, strict=True):
+            rates.setdefault(group or "none", []).append(wins / self.samples)
+        return {g: (*mean_and_se(r), len(r)) for g, r in sorted(rates.items())}
 
     def metrics(self) -> dict[str, float]:
         """MLflow keys (`@` is not allowed in them): eval/pass_at_1, eval/pass_at_<k>, with `_se`."""
@@ -147,15 +163,22 @@ class EvalResult:
             "eval/samples": float(self.samples),
             "eval/seconds": self.seconds,
         }
+        for group, (p1, _, _) in self.by_group().items():  # MLflow keys: letters, digits, _ - . / and spaces
+            out[f"eval/pass_at_1/{re.sub(r'[^A-Za-z0-9_.-]', '_', group)}"] = p1
         return {key: value for key, value in out.items() if math.isfinite(value)}
 
 
-def score(trees: Sequence[RolloutTree], k: int, temperature: float, seconds: float) -> EvalResult:
+def score(
+    trees: Sequence[RolloutTree], k: int, temperature: float, seconds: float, groups: Sequence[str] = ()
+) -> EvalResult:
     """The result of one evaluation: one tree per task, its leaves the task's episodes (all of them
-    bare rollouts from the root, the same number per task)."""
+    bare rollouts from the root, the same number per task); `groups`: each task's coarsest attribute,
+    in the trees' order (or none)."""
     counts = [len(t.leaves()) for t in trees]
     if not trees or len(set(counts)) != 1:
         raise ValueError(f"an evaluation needs the same number of episodes for every task, got {counts}")
+    if groups and len(groups) != len(trees):
+        raise ValueError(f"score: {len(groups)} groups for {len(trees)} tasks; give one per task or none")
     n = counts[0]
     leaves = [[float(t.nodes[x].reward or 0.0) for x in t.leaves()] for t in trees]
     wins = [sum(r >= SUCCESS for r in rewards) for rewards in leaves]
@@ -174,6 +197,7 @@ def score(trees: Sequence[RolloutTree], k: int, temperature: float, seconds: flo
         reward=float(np.mean([r for rewards in leaves for r in rewards])),
         turns=float(np.mean([t.nodes[x].depth for t in trees for x in t.leaves()])),
         seconds=seconds,
+        groups=tuple(groups),
     )
 
 
@@ -195,7 +219,8 @@ class Evaluator:
     (`evaluate`) and the predictor's probe (`probe`).
 
     `engine(module)` is the run's engine synced to the module's weights (`RolloutCollector.synced_engine`);
-    everything else is the run's environment, episode limits, training sampling and task split.
+    everything else is the run's environment, episode limits, training sampling and task split;
+    `groups` maps a task id to its coarsest attribute, for pass@1 by group (tasks not in it: none).
     Playing changes neither what the next iteration samples nor what it reports (`play`)."""
 
     env: Environment
@@ -204,6 +229,7 @@ class Evaluator:
     train_ids: list[int]
     held_out: list[int]
     engine: Callable[[Any], GenerationEngine]
+    groups: Mapping[int, str] = field(default_factory=dict)
 
     def tasks(self, which: str) -> list[int]:
         """The task ids of an `eval.tasks` choice: held_out, train or all."""
@@ -229,7 +255,8 @@ class Evaluator:
                 lambda turns, running: bar.set_postfix_str(f"turn {turns} played, {running} running"),
             )
         trees = self.play(module, task_ids, settings.samples, settings.seed, sampling, *hooks)
-        return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start)
+        groups = [self.groups.get(t, "") for t in task_ids] if self.groups else []
+        return score(trees, settings.pass_k, sampling.temperature, time.perf_counter() - start, groups)
 
     def probe(self, module: Any, task_ids: Sequence[int], samples: int, seed: int) -> np.ndarray:
         """Successes of `samples` episodes of each task [P] at the training temperature: a Monte Carlo

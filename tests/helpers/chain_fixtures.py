@@ -66,10 +66,11 @@ def make_data(
     held_out=0,
     settings=DATA,
     unit="leaves",
+    env=None,
     **kw,
 ):
     return RolloutDataModule(
-        env=ChainEnv(n_tasks=24, turns=3, seed=0),
+        env=env or ChainEnv(n_tasks=24, turns=3, seed=0),
         allocator=allocator or alloc.trace(expansion=2, max_per_prompt=4),
         engine=engine or functools.partial(HFEngine, max_batch_size=16),
         sampling=sampling,
