@@ -226,6 +226,10 @@ def task_report(
             "final_se_per_seed": [r["held_out"]["curve"][-1]["pass_at_1_se"] for _, r in done],
             "start_per_seed": [r["held_out"]["start"] for _, r in done],
             "curve_per_seed": [[p["pass_at_1"] for p in r["held_out"]["curve"]] for _, r in done],
+            # held-out pass@1 by level at the start and the end (runs that recorded it)
+            "by_group_start_final_per_seed": [
+                [r["held_out"]["curve"][i].get("by_group") for i in (0, -1)] for _, r in done
+            ],
             "tokens_per_seed": [sum(it["tokens"] for it in i) for i in its],
             "tokens_per_iteration_max_per_seed": [max(it["tokens"] for it in i) for i in its],
             "leaves_per_iteration_per_seed": [float(np.mean([it["leaves"] for it in i])) for i in its],
