@@ -248,6 +248,7 @@ def task_report(
                 [it.get("continuations_by_depth", []) for i in its for it in i]
             ),
             "flips_by_depth": _summed([it.get("flips_by_depth", []) for i in its for it in i]),
+            **_stage_prices([it for i in its for it in i]),
             "gate_skill_last_per_seed": [i[-1].get("gate_skill") for i in its],
             "trainer_seconds_per_seed": [r["trainer_seconds"] for _, r in done],
             **{f"probe_seed{s}": r["probe"] for s, r in done if "probe" in r},
@@ -263,6 +264,23 @@ def task_report(
     if "grpo" in methods:
         out["versus_grpo"] = {m: _paired(methods[m], methods["grpo"]) for m in methods if m != "grpo"}
     return out
+
+
+def _stage_prices(iterations: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What each stage spent and earned, in generated tokens (runs that recorded `expand_tokens`):
+    Stage 2's share of the tokens; mixed root groups per 1,000 root-rollout tokens; mixed prefixes (the
+    contrast only continuations create) per 1,000 continuation tokens."""
+    if not iterations or any("expand_tokens" not in it for it in iterations):
+        return {"expand_token_share": None, "mixed_roots_per_1k_root_tokens": None}
+    expand = sum(it["expand_tokens"] for it in iterations)
+    roots = sum(it["tokens"] for it in iterations) - expand
+    return {
+        "expand_token_share": expand / max(expand + roots, 1),
+        "mixed_roots_per_1k_root_tokens": 1000 * sum(it["mixed_roots"] for it in iterations) / max(roots, 1),
+        "mixed_prefixes_per_1k_expand_tokens": (
+            1000 * sum(it["mixed_prefixes"] for it in iterations) / expand if expand else None
+        ),
+    }
 
 
 def _summed(rows: list[list[int]]) -> list[int]:

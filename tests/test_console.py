@@ -77,8 +77,11 @@ def test_iteration_summary_of_a_hand_built_report():
     report.sample_seconds, report.sync_seconds = 2.5, 0.25
     got = iteration_summary(report, train_seconds=1.5)
     # 1 win in 5 leaves; 1 of 2 trees mixed, at its root and at prefix node 1; the ledger charged
-    # 3+2+4+4+1 = 14 tokens; 40 prefill tokens; leaf depths 2, 1, 2, 1, 1.
-    assert got == IterationSummary(0, 0.2, 0.5, 1, 1, 5, 14, 40, 3, 1.4, 2.5, 0.25, 1.5, prompts=2)
+    # 3+2+4+4+1 = 14 tokens, 1 of them by Stage 2's continuation; 40 prefill tokens; leaf depths 2, 1,
+    # 2, 1, 1.
+    assert got == IterationSummary(
+        0, 0.2, 0.5, 1, 1, 5, 14, 40, 3, 1.4, 2.5, 0.25, 1.5, prompts=2, expand_tokens=1
+    )
 
 
 def test_summary_text_from_known_iterations():

@@ -135,6 +135,7 @@ class IterationSummary:
     returned_leaves: int = 0  # leaves priced Stage 2 gave back to Stage 1 as root groups
     continuations_by_depth: tuple[int, ...] = ()  # priced Stage 2: continuations by start depth
     flips_by_depth: tuple[int, ...] = ()  # ... and those that ended with the other outcome
+    expand_tokens: int = 0  # of `tokens`, those Stage 2's continuations generated (the rest: root rollouts)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def iteration_summary(report: IterationReport, train_seconds: float) -> Iteratio
         returned_leaves=report.result.ledger.returned,
         continuations_by_depth=report.flips.continuations if report.flips is not None else (),
         flips_by_depth=report.flips.flips if report.flips is not None else (),
+        expand_tokens=report.result.ledger.tokens["expand"],
     )
 
 
