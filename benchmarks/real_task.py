@@ -224,6 +224,17 @@ def task_report(
             "seeds": [s for s, _ in done],
             "final_per_seed": [r["held_out"]["final"] for _, r in done],
             "final_se_per_seed": [r["held_out"]["curve"][-1]["pass_at_1_se"] for _, r in done],
+            "final_by_problem": {  # seed -> {problem: pass@1}, where the run recorded it
+                s: dict(
+                    zip(
+                        r["held_out"]["final_task_ids"],
+                        [c / r["held_out"]["samples"] for c in r["held_out"]["final_successes"]],
+                        strict=True,
+                    )
+                )
+                for s, r in done
+                if "final_successes" in r["held_out"]
+            },
             "start_per_seed": [r["held_out"]["start"] for _, r in done],
             "curve_per_seed": [[p["pass_at_1"] for p in r["held_out"]["curve"]] for _, r in done],
             # held-out pass@1 by level at the start and the end (runs that recorded it)
@@ -295,9 +306,22 @@ def _paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     fa = dict(zip(a["seeds"], a["final_per_seed"], strict=True))
     fb = dict(zip(b["seeds"], b["final_per_seed"], strict=True))
     d = [fa[s] - fb[s] for s in common]
+    # per seed, the difference paired by held-out problem (runs that recorded the final per-problem
+    # successes): its SE counts only the two policies' disagreement, not the problems' difficulty
+    by_problem = []
+    for s in common:
+        ra, rb = a["final_by_problem"].get(s), b["final_by_problem"].get(s)
+        if ra is None or rb is None:
+            by_problem.append(None)
+            continue
+        diffs = [ra[t] - rb[t] for t in ra if t in rb]
+        by_problem.append(
+            {"diff": float(np.mean(diffs)), "se": float(np.std(diffs, ddof=1) / np.sqrt(len(diffs)))}
+        )
     return {
         "seeds": common,
         "final_diff_per_seed": d,
+        "final_diff_paired_by_problem_per_seed": by_problem,
         "final_diff": float(np.mean(d)) if d else None,
         "final_diff_se": float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None,
         "seeds_above": int(sum(x > 0 for x in d)),

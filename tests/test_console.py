@@ -177,6 +177,7 @@ def test_the_summary_record_holds_the_curve_and_its_paired_change():
     assert held["change_se"] == pytest.approx(0.14434 / 3**0.5, abs=1e-4)
     assert held["point_se_max"] == pytest.approx(0.5 / 3**0.5, abs=1e-4)  # the first point's SE, 0.29
     assert [p["iterations"] for p in held["curve"]] == [0, 1, 2]
+    assert (held["final_task_ids"], held["final_successes"]) == ([0, 1, 2], [1, 3, 4])
     assert [it["optimizer_steps"] for it in record["iterations"]] == [2, 2]
     assert "held_out" not in summary_record(FitSummary(its, 10.0))
 

@@ -346,6 +346,9 @@ def summary_record(summary: FitSummary, probe: Sequence[tuple[int, dict[str, flo
             "change": change,
             "change_se": change_se,
             "point_se_max": max(r.pass_at_1_se for _, r in summary.held_out),
+            # the last evaluation per task, so two runs on the same tasks compare paired by task
+            "final_task_ids": list(last.task_ids),
+            "final_successes": list(last.successes),
         }
     return record
 
