@@ -52,6 +52,15 @@ def test_right_answers_win_and_the_decisive_answer_is_the_shifted_letter():
         assert out.done and out.reward == expect
 
 
+def test_attributes_are_what_the_question_states():
+    env = DecisiveEnv(40, 0, "train", 3)
+    for task in env.tasks():
+        # "3 keys, 0 errors ok, A-H. Key 2 +2. Key 1: C." -> errors_ok=0, shift=2, keys=3, read off the text
+        keys, errors = task.question.split(" keys, ")[0], task.question.split(", ")[1].split(" errors")[0]
+        shift = task.question.split(" +")[1].split(".")[0]
+        assert env.attributes(task) == (f"errors_ok={errors}", f"shift={shift}", f"keys={keys}")
+
+
 def test_the_question_and_observations_show_the_cues():
     env = DecisiveEnv(30, 0, "train", 2)
     spec, task = next((s, t) for s, t in zip(env.decisive_tasks, env.tasks(), strict=True) if s.decisive == 1)

@@ -126,6 +126,13 @@ class DecisiveEnv:
     def tasks(self) -> Sequence[Task]:
         return self._tasks
 
+    def attributes(self, task: Task) -> tuple[str, ...]:
+        """What the question states, coarse to fine (`envs.base.HasAttributes`): the mistakes allowed,
+        the decisive key's shift, the keys. "3 keys, 0 errors ok, A-H. Key 2 +2. ..." -> ("errors_ok=0",
+        "shift=2", "keys=3"). Pooled success rates over these carry over to prompts never drawn before."""
+        spec = self.by_id[task.task_id]
+        return f"errors_ok={spec.tolerance}", f"shift={spec.shift}", f"keys={spec.turns}"
+
     def initial_state(self, task: Task) -> tuple[int, int]:
         return (0, 0)
 
