@@ -130,6 +130,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # the unbiased slice and the skill gate, with a predictor that has skill and one that has little
         "trace_gate": Method(shipped, leaves, selection | gate),
         "trace_head_gate": Method(shipped, leaves, selection | gate, old),
+        # the estimates steer every iteration, whatever their measured skill (as true_v does)
+        "trace_ungated": Method(shipped, leaves, selection | {"gate_skill": None}),
         # NOT a method: Stage 1 steered by `--true-v-samples` fresh episodes of every candidate, outside
         # the budget and training nothing (TrueVCollector). The ceiling every predictor is read
         # against.
