@@ -737,7 +737,10 @@ def verdicts(
     """The targets for `trace` (the shipped experiment), each PASS or MISS with its figures: at equal
     leaves (`tokens` None) it recovers >= half of true_v's gain over GRPO; at an equal token budget it
     gains >= +0.02 over GRPO, in >= 4 of 5 seeds, and no less than random_expand; the predictor online;
-    every method makes the same optimizer steps (but `other_budgets`, the (M, N) table's larger runs)."""
+    every method makes the same optimizer steps (but `other_budgets`, the (M, N) table's larger runs).
+    One line saying so when the shipped `trace` or `uniform` did not run (a screen of other methods)."""
+    if "trace" not in summary or "uniform" not in summary:
+        return ["no verdicts: they judge the shipped trace against uniform, and a screen ran without them"]
     t = summary["trace"]
     seeds = len(t["gain_vs_grpo"]["per_seed"])
     paired = np.array(t["gain_vs_grpo"]["per_seed"])
