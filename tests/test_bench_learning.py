@@ -16,6 +16,7 @@ SAME_BUDGET = [
     "trace_shared_sum",
     "trace_head",
     "trace_gate",
+    "trace_ungated",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
