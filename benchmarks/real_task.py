@@ -278,10 +278,12 @@ def task_report(
 
 
 def _stage_prices(iterations: list[dict[str, Any]]) -> dict[str, float | None]:
-    """What each stage spent and earned, in generated tokens (runs that recorded `expand_tokens`):
-    Stage 2's share of the tokens; mixed root groups per 1,000 root-rollout tokens; mixed prefixes (the
-    contrast only continuations create) per 1,000 continuation tokens."""
-    if not iterations or any("expand_tokens" not in it for it in iterations):
+    """What each stage spent and earned, in generated tokens, over the iterations that recorded
+    `expand_tokens` (older runs did not): Stage 2's share of the tokens; mixed root groups per 1,000
+    root-rollout tokens; mixed prefixes (the contrast only continuations create) per 1,000 continuation
+    tokens."""
+    iterations = [it for it in iterations if "expand_tokens" in it]
+    if not iterations:
         return {"expand_token_share": None, "mixed_roots_per_1k_root_tokens": None}
     expand = sum(it["expand_tokens"] for it in iterations)
     roots = sum(it["tokens"] for it in iterations) - expand
