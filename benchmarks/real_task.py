@@ -164,6 +164,14 @@ TASKS: dict[str, dict[str, Any]] = {
         "methods": ["grpo", "trace", "knapsack"],
     },
     "control": {"env": [], "warm_start": WARM_START, "room": False, "methods": ["grpo", "trace"]},
+    # levels 2 and 3 only: on the mixed task every run learned to answer after one calculator call, which
+    # solves level 1 and nothing else; here no shortcut of that kind pays
+    "hard": {
+        "env": ["env=math_tool_mixed", "env.difficulty=[2,3]", "env.difficulty_weights=[1,1]"],
+        "warm_start": "outputs/warm_start/smollm2-math_tool_hard/model",
+        "room": True,
+        "methods": ["grpo", "trace", "knapsack"],
+    },
 }
 
 
