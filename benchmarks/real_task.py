@@ -16,7 +16,8 @@ run's own `summary.json` (console.RunSummary): the held-out learning curve (gree
 iteration's mixed roots, mixed prefixes, leaves, generated tokens and optimizer steps.
 
 `compare` runs every method of a task (`TASKS`: the mixed-difficulty task, where allocation has room,
-and difficulty 2 alone, the control) from the task's warm start, with the same seeds, the same
+difficulty 2 alone, the control, and levels 2 and 3 alone, `hard`) from the task's warm start (built
+when missing), with the same seeds, the same
 optimizer steps (`data.steps_per_iteration`) and the same budget of generated tokens per iteration
 (`budget.unit=tokens`: each method's leaves follow what its own leaves cost, at most `--max-leaves`).
 Each finished run is kept in `benchmarks/results/real_task_runs/` (commit it as it lands): a later call
