@@ -293,7 +293,9 @@ def _stage_prices(iterations: list[dict[str, Any]]) -> dict[str, float | None]:
     tokens."""
     iterations = [it for it in iterations if "expand_tokens" in it]
     if not iterations:
-        return {"expand_token_share": None, "mixed_roots_per_1k_root_tokens": None}
+        return dict.fromkeys(
+            ("expand_token_share", "mixed_roots_per_1k_root_tokens", "mixed_prefixes_per_1k_expand_tokens")
+        )
     expand = sum(it["expand_tokens"] for it in iterations)
     roots = sum(it["tokens"] for it in iterations) - expand
     return {

@@ -36,7 +36,6 @@ std([0.25, 0.75], ddof=1) / sqrt(2) = 0.3536 / 1.4142 = 0.25. pass@2 per task: 1
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,7 +48,7 @@ from trace_lightning.budget import Budget, BudgetLedger
 from trace_lightning.engines.base import GenerationEngine, SamplingParams
 from trace_lightning.envs.base import Environment
 from trace_lightning.iteration import Branch
-from trace_lightning.runner import EpisodeLimits, ReActRunner
+from trace_lightning.runner import EpisodeLimits, ReActRunner, stop_reason_key
 from trace_lightning.tree import SUCCESS, RolloutTree
 
 TASK_SETS = ("held_out", "train", "all")
@@ -163,8 +162,8 @@ class EvalResult:
             "eval/samples": float(self.samples),
             "eval/seconds": self.seconds,
         }
-        for group, (p1, _, _) in self.by_group().items():  # MLflow keys: letters, digits, _ - . / and spaces
-            out[f"eval/pass_at_1/{re.sub(r'[^A-Za-z0-9_.-]', '_', group)}"] = p1
+        for group, (p1, _, _) in self.by_group().items():  # the runner's rule for a safe key segment
+            out[f"eval/pass_at_1/{stop_reason_key(group)}"] = p1
         return {key: value for key, value in out.items() if math.isfinite(value)}
 
 
