@@ -22,7 +22,8 @@ sets and the warm start are shared, so methods are paired within a seed.
    (the start value is measured with it too). Its tokens are in no budget.
 
 Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prompt count: groups of
-`--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once per leaf);
+`--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once
+per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -141,6 +142,11 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_prefix_only": Method(alloc.trace_prefix_only(stage1["min_group"], n), leaves, selection),
         # trace, with a prefix shared by k leaves trained at k times the weight (once per leaf)
         "trace_shared_sum": Method(shipped, leaves, selection, estimator=TreeGRPO(shared_prefix="sum")),
+        # trace, and its ungated twin, with the tree advantages bounded (advantages.tree_grpo_bounded)
+        "trace_bounded": Method(shipped, leaves, selection, estimator=TreeGRPO(bounded=True)),
+        "trace_ungated_bounded": Method(
+            shipped, leaves, selection | {"gate_skill": None}, estimator=TreeGRPO(bounded=True)
+        ),
         f"trace_m{m}_n{3 * n}": Method(alloc.trace(3 * n, max_per_prompt=cap), m * (1 + 3 * n)),
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
         "trace_explore": Method(shipped, leaves, selection | explore),
@@ -647,6 +653,9 @@ MAIN = [
     "trace_gate",
     "trace_head_gate",
     "trace_explore",
+    "trace_ungated",
+    "trace_bounded",
+    "trace_ungated_bounded",
 ]
 
 

@@ -20,6 +20,8 @@ from trace_lightning.advantages import (
     rloo,
     rloo_reference,
     tree_grpo,
+    tree_grpo_bounded,
+    tree_grpo_bounded_reference,
     tree_grpo_reference,
     tree_segment,
     tree_segment_reference,
@@ -93,6 +95,29 @@ def test_tree_grpo_worked_example() -> None:
     torch.testing.assert_close(adv, _t([half_sqrt2 + 0.5, -half_sqrt2 - 1.5, 0.5, 0.5]), atol=1e-5, rtol=0)
 
 
+def test_tree_grpo_bounded_worked_examples() -> None:
+    # Bare [1, 0] (mean 0.5, unbiased std sqrt(1/2)) plus a continuation (0) of the first bare rollout:
+    # prompt term +-0.7071 from the bare pair; subtree {leaf 0, leaf 2} = {1, 0} centred: +0.5, -0.5.
+    bare = torch.tensor([True, True, False])
+    adv = tree_grpo_bounded(_t([1, 0, 0]), torch.tensor([0, 1, 0]), torch.zeros(3, dtype=torch.long), bare)
+    h = math.sqrt(0.5)
+    torch.testing.assert_close(adv, _t([h + 0.5, -h, -h - 0.5]), atol=1e-5, rtol=0)
+    # A rare flip among near-copies: bare [1, 1] (no contrast: no prompt term) and continuations [1, 1, 0]
+    # of the first; subtree {1, 1, 1, 0} has mean 0.75. Plain tree_grpo gives the flip about -3.29.
+    bare = torch.tensor([True, True, False, False, False])
+    local, one = torch.tensor([0, 1, 0, 0, 0]), torch.zeros(5, dtype=torch.long)
+    adv = tree_grpo_bounded(_t([1, 1, 1, 1, 0]), local, one, bare)
+    torch.testing.assert_close(adv, _t([0.25, 0.0, 0.25, 0.25, -0.75]), atol=1e-6, rtol=0)
+    assert tree_grpo(_t([1, 1, 1, 1, 0]), local, one)[4] < -3.2
+
+
+def test_tree_grpo_bounded_without_continuations_is_grpo() -> None:
+    rewards, groups = _t([1, 0, 0, 1, 1, 1, 0, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    local = torch.arange(8)  # every bare rollout is its own subtree: no continuation anywhere
+    adv = tree_grpo_bounded(rewards, local, groups, torch.ones(8, dtype=torch.bool))
+    torch.testing.assert_close(adv, grpo(rewards, groups), atol=1e-6, rtol=0)
+
+
 def test_empty_input() -> None:
     empty = torch.zeros(0)
     groups = torch.zeros(0, dtype=torch.long)
@@ -117,6 +142,15 @@ def test_leaf_estimators_match_reference(cases: list[tuple[int, float]], n_local
     local = groups % (n_local + 1)  # coarser labels stand in for a second grouping
     torch.testing.assert_close(
         tree_grpo(rewards, groups, local), tree_grpo_reference(rewards, groups, local), atol=1e-9, rtol=1e-9
+    )
+    bare = (
+        torch.arange(len(cases)) * 7 + n_local
+    ) % 3 > 0  # an arbitrary mix of bare leaves and continuations
+    torch.testing.assert_close(
+        tree_grpo_bounded(rewards, local, groups, bare),
+        tree_grpo_bounded_reference(rewards, local, groups, bare),
+        atol=1e-9,
+        rtol=1e-9,
     )
 
 

@@ -50,6 +50,16 @@ def test_tree_grpo_shared_prefix_sum_weighs_a_prefix_once_per_leaf():
         TreeGRPO(shared_prefix="max")
 
 
+def test_tree_grpo_bounded_reads_which_leaves_are_bare():
+    a0, a1 = node_advantages(two_trees(), TreeGRPO(bounded=True))
+    # tree 0: bare leaves b (1) and d (0): prompt term +-0.7071 for all three leaves (c, a continuation,
+    # is measured against the bare pair's mean 0.5); subtree {b, c} = {1, 0} centred +-0.5, {d} alone 0
+    h = np.sqrt(0.5)
+    np.testing.assert_allclose(a0[[2, 3, 4]], [h + 0.5, -h, -h - 0.5], rtol=1e-5)
+    assert a0[1] == pytest.approx((a0[2] + a0[4]) / 2)  # the shared prefix: the mean of its leaves
+    assert a1.tolist() == [0.0, 0.0]
+
+
 def test_tree_segment_uses_backed_up_values():
     a0, _ = node_advantages(two_trees(), TreeSegment())
     # V̂: root 1/3, a 1/2, b 1, d 0, c 0. A(b) = (1 - 1/2) + (1 - 1/3) = 7/6

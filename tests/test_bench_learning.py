@@ -17,6 +17,8 @@ SAME_BUDGET = [
     "trace_head",
     "trace_gate",
     "trace_ungated",
+    "trace_bounded",
+    "trace_ungated_bounded",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",

@@ -128,6 +128,45 @@ def tree_grpo(
     return grpo(rewards, local_groups, eps) + grpo(rewards, global_groups, eps)
 
 
+def tree_grpo_bounded(
+    rewards: torch.Tensor,
+    local_groups: torch.Tensor,
+    global_groups: torch.Tensor,
+    bare: torch.Tensor,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
+    """Tree-GRPO whose prompt term is measured on the bare rollouts and whose subtree term is bounded.
+
+    Prompt term: (r - m) / (s + eps) for every leaf of the prompt, with m and s the mean and unbiased std
+    of the prompt's *bare* leaves only (0 for the whole prompt when those have no contrast). Bare
+    rollouts are an unbiased sample of the prompt; continuations are not (Stage 2 sends them where a
+    flip is likely), so counting them in the baseline would make a rare flip among near-copies look
+    rarer than the prompt's own success rate says. Subtree term: r - the subtree's mean, not divided by
+    its std: the value difference of taking this continuation from its prefix, in [-1, 1], as TreeRL's
+    segment advantage is. With no continuation the result is GRPO over the bare rollouts.
+
+    Example: bare leaves [1, 0] and one continuation of the first (reward 0): prompt term m = 0.5,
+    s = 0.707 -> [+0.707, -0.707, -0.707]; subtree term (leaves 0 and 2 share a subtree) [+0.5, 0, -0.5];
+    sum [+1.207, -0.707, -1.207]. A rare flip among near-copies: bare [1, 1] and three continuations of
+    the first, [1, 1, 0]: no prompt term (the bare pair agrees), the flip gets -0.75 and its subtree's
+    successes +0.25 each, where plain `tree_grpo` gives the flip -1.79 - 1.50 = -3.29.
+
+    Args:
+        rewards: [L] float; local_groups, global_groups: [L] long, as in `tree_grpo`.
+        bare: [L] bool, whether each leaf ends a bare rollout (not a continuation).
+    """
+    inverse, counts = _group_index(global_groups)
+    n = counts.numel()
+    weight = bare.to(rewards.dtype)  # [L]
+    n_bare = _group_sum(weight, inverse, n)  # [n_groups]
+    mean = _group_sum(rewards * weight, inverse, n) / n_bare.clamp(min=1)  # [n_groups]
+    sq = _group_sum((rewards - mean[inverse]).square() * weight, inverse, n)  # [n_groups]
+    std = (sq / (n_bare - 1).clamp(min=1)).sqrt()  # [n_groups]
+    contrast = (n_bare >= 2) & (sq > 0)  # [n_groups]: two bare leaves that differ
+    prompt = torch.where(contrast[inverse], (rewards - mean[inverse]) / (std[inverse] + eps), 0.0)  # [L]
+    return prompt + dr_grpo(rewards, local_groups)
+
+
 def tree_segment(
     values: torch.Tensor,
     parents: torch.Tensor,
@@ -268,6 +307,26 @@ def tree_grpo_reference(
     return grpo_reference(rewards, local_groups, eps) + grpo_reference(rewards, global_groups, eps)
 
 
+def tree_grpo_bounded_reference(
+    rewards: torch.Tensor,
+    local_groups: torch.Tensor,
+    global_groups: torch.Tensor,
+    bare: torch.Tensor,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
+    r, is_bare = rewards.tolist(), bare.tolist()
+    out = dr_grpo_reference(rewards, local_groups).tolist()
+    for idx in _members(global_groups).values():
+        base = [r[i] for i in idx if is_bare[i]]
+        if len(base) < 2 or min(base) == max(base):
+            continue  # the bare rollouts carry no contrast: no prompt term
+        mean = sum(base) / len(base)
+        std = math.sqrt(sum((v - mean) ** 2 for v in base) / (len(base) - 1))
+        for i in idx:
+            out[i] += (r[i] - mean) / (std + eps)
+    return torch.tensor(out, dtype=rewards.dtype)
+
+
 def tree_segment_reference(
     values: torch.Tensor,
     parents: torch.Tensor,
@@ -334,7 +393,7 @@ def _from_leaves(
 ) -> list[np.ndarray]:
     """A leaf-level estimator's advantages, handed to the nodes under the once-per-node rule (`reduce`:
     see `node_advantages_from_leaves`). `leaf_advantages(rewards [L], prompt groups [L], first-turn
-    groups [L])` -> [L]."""
+    groups [L], bare [L])` -> [L], `bare` saying which leaves end a bare rollout."""
     if not trees:
         return []
     parents, tree_of, offsets = _forest(trees)
@@ -346,7 +405,8 @@ def _from_leaves(
     )
     groups = torch.tensor(tree_of[leaf_ids])
     local = torch.tensor(_depth_one_ancestor(parents, leaf_ids))
-    leaf_adv = leaf_advantages(rewards, groups, local)
+    bare = torch.tensor([t.nodes[i].stage == "bare" for t in trees for i in t.leaves()], dtype=torch.bool)
+    leaf_adv = leaf_advantages(rewards, groups, local, bare)
     flat = node_advantages_from_leaves(torch.tensor(parents), torch.tensor(leaf_ids), leaf_adv, reduce)
     return _per_tree(trees, offsets, flat)
 
@@ -355,7 +415,7 @@ def _prompt_groups(
     trees: Sequence[RolloutTree], leaf_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> list[np.ndarray]:
     """A leaf-level estimator over each prompt's leaves: `leaf_fn(rewards [L], groups [L]) -> [L]`."""
-    return _from_leaves(trees, lambda r, groups, _: leaf_fn(r, groups))
+    return _from_leaves(trees, lambda r, groups, *_: leaf_fn(r, groups))
 
 
 @dataclass(frozen=True)
@@ -393,9 +453,13 @@ class TreeGRPO:
     """GRPO within the leaf's first-turn subtree plus GRPO within the prompt (`advantages.tree_grpo`).
 
     `shared_prefix`: a prefix shared by k leaves trains once with the mean of their advantages ("mean",
-    the default) or with their sum ("sum": the weight it would have if each leaf's sequence trained it)."""
+    the default) or with their sum ("sum": the weight it would have if each leaf's sequence trained it).
+    `bounded`: the prompt term's mean and std come from the bare rollouts only and the subtree term is
+    centred, not standardised (`advantages.tree_grpo_bounded`), so a rare flip among near-copies gets a
+    bounded advantage instead of one that grows with the number of copies."""
 
     shared_prefix: str = "mean"
+    bounded: bool = False
     name = "tree_grpo"
 
     def __post_init__(self) -> None:
@@ -405,7 +469,11 @@ class TreeGRPO:
             )
 
     def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        return _from_leaves(trees, lambda r, groups, local: tree_grpo(r, local, groups), self.shared_prefix)
+        if self.bounded:
+            return _from_leaves(
+                trees, lambda r, g, local, bare: tree_grpo_bounded(r, local, g, bare), self.shared_prefix
+            )
+        return _from_leaves(trees, lambda r, g, local, _: tree_grpo(r, local, g), self.shared_prefix)
 
 
 @dataclass(frozen=True)
