@@ -260,7 +260,10 @@ def task_report(
             "distinct_prompts_per_optimizer_step": float(
                 np.mean([it.get("prompts", 0) / max(it["optimizer_steps"], 1) for i in its for it in i])
             ),
-            "gate_open_share": float(np.mean([it.get("steered", True) for i in its for it in i])),
+            # GRPO's uniform groups read no prediction, so a gate there would steer nothing
+            "gate_open_share": None
+            if m == "grpo"
+            else float(np.mean([it.get("steered", True) for i in its for it in i])),
             "returned_leaves_per_iteration": float(
                 np.mean([it.get("returned_leaves", 0) for i in its for it in i])
             ),
