@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,3 +153,38 @@ def test_bfcl_quick_mode(tmp_path):
         assert not held & {i for r in run["iterations"] for i in r["task_ids"]}
         assert set(run["held_out_after"]["entries"]) == set(details["after_warm_start"]["base"]["entries"])
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_allocation_room_quick_mode(tmp_path):
+    """The room benchmark's figures obey what the math says of them: Stage 1's exact program on the true
+    rates maximises expected mixed prompts over every allocation of groups of 2-16, which GRPO's groups,
+    pairs and Knapsack RL's split all are, and a predictor without noise is the true rates."""
+    out = tmp_path / "room.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/allocation_room.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "Spearman" in proc.stdout
+    result = json.loads(out.read_text())
+    mixed = result["mixed"]
+    assert all(mixed["trace_true_v"] >= mixed[k] for k in ("grpo", "pairs", "knapsack_true_v"))
+    exact = next(r for r in result["by_skill"] if r["noise_sd"] == 0.0)
+    assert exact["spearman"] == pytest.approx(1.0, abs=1e-3)  # rates clipped to [1e-3, 1 - 1e-3] may tie
+    assert exact["trace_x_grpo"] == pytest.approx(mixed["trace_true_v"] / mixed["grpo"])
+    assert 0.0 < result["screen"]["12"] <= 12 + (result["config"]["roots"] - 24) / 2
+
+
+def test_allocation_room_expected_mixed_matches_sampling():
+    """The closed form sum 1 - v^m - (1 - v)^m against counting mixed groups in simulated outcomes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from allocation_room import expected_mixed
+
+    rng = np.random.default_rng(0)
+    v, counts = np.array([0.1, 0.5, 0.9, 0.3]), np.array([4, 2, 0, 7])
+    successes = rng.binomial(counts, v, size=(200_000, 4))  # [trials, prompts]
+    sampled = ((successes > 0) & (successes < counts) & (counts > 0)).sum(axis=1).mean()
+    assert expected_mixed(v, counts) == pytest.approx(sampled, abs=0.01)
