@@ -60,20 +60,20 @@ def screen(v: np.ndarray, roots: int, k: int, rng: np.random.Generator) -> float
     of the whole two-phase allocation, averaged exactly over the second phase's outcomes."""
     first = rng.binomial(2, v[:k])  # [k] successes of each screened pair
     sizes = np.arange(0, CAP + 1)  # [S] second-phase rollouts per prompt
-    gains = np.zeros((len(v), len(sizes)))  # [P, S] P(the prompt ends mixed) after that many more
-    for i in range(len(v)):
-        if i < k and first[i] == 1:
-            continue  # already mixed: more rollouts buy nothing
-        if i < k:  # both agreed: the posterior chance that m more are not all the same outcome again;
-            # the repeated outcome's rate is Beta(PRIOR + 2, PRIOR) whichever outcome it was
-            repeat = np.array(
-                [np.prod((PRIOR + 2 + np.arange(m)) / (2 * PRIOR + 2 + np.arange(m))) for m in sizes]
-            )
-            gains[i] = 1.0 - repeat
-        else:  # never screened: E[1 - v^m - (1 - v)^m] under the prior, groups of 2 or more
-            tail = np.array([np.prod((PRIOR + np.arange(m)) / (2 * PRIOR + np.arange(m))) for m in sizes])
-            gains[i] = np.where(sizes >= 2, 1.0 - 2.0 * tail, -np.inf)
-            gains[i, 0] = 0.0
+
+    # E[x^m] for x ~ Beta(a, b) is prod_{j < m} (a + j) / (a + b + j); both rows depend on m only
+    def beta_power(a: float, b: float) -> np.ndarray:  # [S]
+        return np.array([np.prod((a + np.arange(m)) / (a + b + np.arange(m))) for m in sizes])
+
+    # a screened pair that agreed: its repeated outcome's rate is Beta(PRIOR + 2, PRIOR) either way,
+    # and m more end it mixed unless they all repeat it
+    agreed = 1.0 - beta_power(PRIOR + 2, PRIOR)
+    # never screened: E[1 - v^m - (1 - v)^m] under the prior, for groups of 2 or more
+    unseen = np.where(sizes >= 2, 1.0 - 2.0 * beta_power(PRIOR, PRIOR), -np.inf)
+    unseen[0] = 0.0
+    gains = np.tile(unseen, (len(v), 1))  # [P, S] P(the prompt ends mixed) after that many more
+    gains[:k] = agreed
+    gains[:k][first == 1] = 0.0  # already mixed: more rollouts buy nothing
     extra = alloc.solve_counts(gains, sizes, roots - 2 * k)  # [P]
     assert extra is not None
     total = extra.copy()

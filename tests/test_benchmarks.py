@@ -9,16 +9,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_allocation_benchmark_quick_mode(tmp_path):
-    out = tmp_path / "allocation.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/allocation.py", "--quick", "--out", str(out)],
+def benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`benchmarks/<script>` with these arguments; fails the test if it exits non-zero."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=True,
     )
+
+
+def test_allocation_benchmark_quick_mode(tmp_path):
+    out = tmp_path / "allocation.json"
+    proc = benchmark("allocation.py", "--quick", "--out", str(out))
     assert "trace" in proc.stdout and "x uniform" in proc.stdout
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -33,14 +38,7 @@ def test_allocation_benchmark_quick_mode(tmp_path):
 def test_env_bounds_benchmark(tmp_path):
     pytest.importorskip("bfcl_eval", reason="the BFCL data ships in bfcl-eval: run `make install`")
     out = tmp_path / "env_bounds.json"
-    subprocess.run(
-        [sys.executable, "benchmarks/env_bounds.py", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    benchmark("env_bounds.py", "--out", str(out))
     result = json.loads(out.read_text())
     growth, cap = result["growth"], result["growth"]["cap_chars"]
     assert growth["stop_reason"] == "world_cap" and growth["reward"] == 0.0 and growth["calls_until_end"] < 40
@@ -52,14 +50,7 @@ def test_real_learning_quick_mode(tmp_path):
     """The real-model learning benchmark through the product's loop (tiny model on chain): equal
     leaves, held-out tasks never trained on, the issue's figures present and consistent with the rows."""
     out = tmp_path / "real_learning.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/real_learning.py", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    proc = benchmark("real_learning.py", "--quick", "--out", str(out))
     assert "held-out before" in proc.stdout
     result = json.loads(out.read_text())
     config, held_out = result["config"], set(result["config"]["held_out_tasks"])
@@ -99,16 +90,10 @@ def test_real_learning_smollm2_smallest(tmp_path):
     """SmolLM2 + LoRA on search_qa through the product's loop at the smallest sizes: one iteration per
     method, 2 held-out tasks. SmolLM2 as shipped, so that the test needs no warm start built first."""
     out = tmp_path / "real_learning.json"
-    subprocess.run(
-        [
-            *(sys.executable, "benchmarks/real_learning.py", "--warm-start", "none", "--iterations", "1"),
-            *("--held-out", "2", "--eval-samples", "1", "--out", str(out)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    benchmark(
+        *("real_learning.py", "--warm-start", "none", "--iterations", "1"),
+        *("--held-out", "2", "--eval-samples", "1", "--out", str(out)),
         timeout=1800,
-        check=True,
     )
     result = json.loads(out.read_text())
     for name, s in result["results"].items():
@@ -122,22 +107,10 @@ def test_bfcl_quick_mode(tmp_path):
     for both methods, held-out entries never trained on, a tree drawn, prompt tokens for every subset;
     held-out episodes decoded greedily, as the published run does."""
     out = tmp_path / "bfcl.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bfcl.py",
-            "--quick",
-            *("--eval-temperature", "0"),
-            "--out",
-            str(out),
-            "--tree-png",
-            str(tmp_path / "t.png"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = benchmark(
+        *("bfcl.py", "--quick", "--eval-temperature", "0"),
+        *("--out", str(out), "--tree-png", str(tmp_path / "t.png")),
         timeout=600,
-        check=True,
     )
     assert "held-out success after the warm start" in proc.stdout
     tiny = json.loads(out.read_text())["models"]["tiny"]
@@ -160,14 +133,7 @@ def test_allocation_room_quick_mode(tmp_path):
     rates maximises expected mixed prompts over every allocation of groups of 2-16, which GRPO's groups,
     pairs and Knapsack RL's split all are, and a predictor without noise is the true rates."""
     out = tmp_path / "room.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/allocation_room.py", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    proc = benchmark("allocation_room.py", "--quick", "--out", str(out))
     assert "Spearman" in proc.stdout
     result = json.loads(out.read_text())
     mixed = result["mixed"]
