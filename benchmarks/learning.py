@@ -23,7 +23,8 @@ sets and the warm start are shared, so methods are paired within a seed.
 
 Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prompt count: groups of
 `--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once
-per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated);
+per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated),
+uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -93,6 +94,7 @@ class Method:
     predictor: PredictorSettings = field(default_factory=PredictorSettings)  # the product's by default
     true_v: bool = False  # Stage 1 on Monte Carlo success rates (an upper bound, not a method)
     estimator: Any = None  # the advantage estimator; None: --estimator
+    spread: bool = False  # each tree's leaves dealt across the iteration's steps (data.spread_trees)
 
 
 def policy_state_head(args: argparse.Namespace) -> PredictorSettings:
@@ -147,6 +149,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_ungated_bounded": Method(
             shipped, leaves, selection | {"gate_skill": None}, estimator=TreeGRPO(bounded=True)
         ),
+        # GRPO and trace with each tree's leaves dealt across the iteration's steps (data.spread_trees)
+        "uniform_spread": Method(alloc.uniform(4), leaves, spread=True),
+        "trace_spread": Method(shipped, leaves, selection, spread=True),
         f"trace_m{m}_n{3 * n}": Method(alloc.trace(3 * n, max_per_prompt=cap), m * (1 + 3 * n)),
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
         "trace_explore": Method(shipped, leaves, selection | explore),
@@ -371,8 +376,11 @@ def train_run(
             max_turns=args.turns,
             max_episode_tokens=MAX_EPISODE_TOKENS,
             # equal leaves: a step per micro-batch of --micro-batch leaves, the same for all; a token
-            # budget: as many steps as --leaves would make, whatever leaves the tokens buy
-            steps_per_iteration=None if args.tokens is None else args.leaves // args.micro_batch,
+            # budget, or leaves dealt across steps: as many steps as --leaves would make
+            steps_per_iteration=(
+                None if args.tokens is None and not method.spread else args.leaves // args.micro_batch
+            ),
+            spread_trees=method.spread,
         ),
         estimator=method.estimator or ESTIMATORS[args.estimator](),
         cold_start=BetaPrior(warmup=1, decay=args.decay),
@@ -656,6 +664,8 @@ MAIN = [
     "trace_ungated",
     "trace_bounded",
     "trace_ungated_bounded",
+    "uniform_spread",
+    "trace_spread",
 ]
 
 

@@ -136,6 +136,34 @@ def test_fixed_steps_split_the_leaves_evenly_whatever_the_micro_batching(tokens)
     assert all(len(step) == 1 for step in plan)
 
 
+@pytest.mark.parametrize("tokens", [None, 4])
+def test_spread_trees_deal_each_tree_across_the_steps(tokens):
+    trees = many_trees(5)  # trees of 1..5 leaves, 15 in all
+    key = lambda s: (s.tree_index, s.leaf)  # noqa: E731
+    every = [key(s) for s in leaf_sequences(trees, node_advantages(trees, GRPO()))]
+    for steps in (2, 3, 4, 15):
+        batching = Batching(micro_batch_size=2, micro_batch_tokens=tokens, estimator=GRPO(), steps=steps)
+        cut = batching.plan(trees)
+        dealt = Batching(
+            micro_batch_size=2, micro_batch_tokens=tokens, estimator=GRPO(), steps=steps, spread=True
+        ).plan(trees)
+        assert len(dealt) == steps
+        per_step = [[key(s) for chunk in step for s in chunk] for step in dealt]
+        assert sorted(k for step in per_step for k in step) == sorted(every)  # every leaf once
+        counts = sorted(len(step) for step in per_step)
+        assert counts == sorted(sum(len(c) for c in step) for step in cut)  # the same counts as the cuts
+        for t, tree in enumerate(trees):  # a tree of g leaves reaches min(g, steps) steps, at most
+            reached = sum(1 for step in per_step if any(k[0] == t for k in step))  # one leaf per step
+            assert reached == min(len(tree.leaves()), steps)
+        # within a step the leaves stay in tree order, so one tree's leaves there pack together
+        assert all(step == sorted(step) for step in per_step)
+        # and no step holds fewer distinct prompts than the emptiest step of the cut plan
+        distinct = [len({k[0] for k in step}) for step in per_step]
+        assert min(distinct) >= min(len({s.tree_index for c in step for s in c}) for step in cut)
+    with pytest.raises(ValueError, match="steps_per_iteration"):
+        Batching(micro_batch_size=2, micro_batch_tokens=None, estimator=GRPO(), spread=True)
+
+
 def test_the_step_layout_pads_each_step_to_the_same_accumulation():
     a, b, c = ([object()] for _ in range(3))  # three one-sequence micro-batches
     assert step_layout([[a, b], [c], []], per_step=2) == [a, b, c, [], [], []]

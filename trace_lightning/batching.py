@@ -163,6 +163,7 @@ class Batching:
     micro_batch_tokens: int | None  # packed tokens per micro-batch (whole trees where they fit)
     estimator: Estimator
     steps: int | None = None  # optimizer steps per iteration (None: one per micro-batch)
+    spread: bool = False  # deal each tree's leaves across the steps instead of cutting the leaves in runs
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -176,6 +177,11 @@ class Batching:
             raise ValueError(
                 f"data.steps_per_iteration={self.steps} must be >= 1, or null for one step per micro-batch"
             )
+        if self.spread and self.steps is None:
+            raise ValueError(
+                "data.spread_trees=true deals leaves across a fixed number of steps: set "
+                "data.steps_per_iteration=N too, or drop data.spread_trees"
+            )
 
     def plan(self, trees: Sequence[RolloutTree]) -> list[list[list[LeafSequence]]]:
         """The micro-batches of each optimizer step, each micro-batch its leaf sequences (with node
@@ -186,10 +192,17 @@ class Batching:
         each run is then cut into micro-batches of up to `micro_batch_tokens` packed tokens (whole trees
         where they fit, `packing.budget_groups`), or `micro_batch_size` sequences when that is None.
         A step gets no leaves only when there are fewer leaves than steps. With `steps` None, every
-        micro-batch is a step of its own."""
+        micro-batch is a step of its own.
+
+        With `spread`, the leaves are dealt to the steps like cards instead (leaf i of the iteration, in
+        tree order, to step i mod `steps`): the same count per step, but a tree of g leaves reaches
+        min(g, steps) steps, so every step holds as many distinct prompts as the iteration allows; a
+        step's leaves stay in tree order, so what one tree has there still packs together."""
         seqs = leaf_sequences(trees, node_advantages(trees, self.estimator))
         if self.steps is None:
             return [[chunk] for chunk in self._chunks(trees, seqs)]
+        if self.spread:
+            return [self._chunks(trees, seqs[s :: self.steps]) for s in range(self.steps)]
         cuts = np.linspace(0, len(seqs), self.steps + 1).round().astype(int)
         return [self._chunks(trees, seqs[a:b]) for a, b in itertools.pairwise(cuts)]
 

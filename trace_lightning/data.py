@@ -52,6 +52,10 @@ class DataSettings(EpisodeLimits):
     # sets the Trainer's accumulate_grad_batches). null: one step per micro-batch, so a method whose
     # trees pack into fewer micro-batches makes fewer steps.
     steps_per_iteration: int | None = 2
+    # With steps_per_iteration set: deal each tree's leaves across the steps (leaf i to step i mod steps)
+    # instead of cutting the leaves into contiguous runs, so one tree of near-duplicates does not fill a
+    # step and every step sees as many prompts as the iteration holds.
+    spread_trees: bool = False
     # Tasks set aside (envs.base.split_tasks with the run's seed, the warm start's rule): never drawn
     # into the pool; callbacks.HeldOutSuccess plays them to draw the learning curve. 0: none.
     held_out: int = 0
@@ -121,6 +125,7 @@ class RolloutDataModule(L.LightningDataModule):
                 settings.micro_batch_tokens,
                 estimator,
                 settings.steps_per_iteration,
+                settings.spread_trees,
             ),
             cold_start if cold_start is not None else BetaPrior(warmup=0),
             selection if selection is not None else Selection(),
