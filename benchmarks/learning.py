@@ -420,8 +420,8 @@ def train_run(
 
 
 def probe_rates(probe: SuccessProbe) -> list[dict[str, Any]]:
-    """Every probe's candidates with the head's raw prediction and each half's successes (of `half`
-    episodes each)."""
+    """Every probe's candidates with the head's raw prediction, each half's successes (of `half`
+    episodes each) and the bare rollouts Stage 1 gave them."""
     return [
         {
             "iteration": it,
@@ -430,8 +430,9 @@ def probe_rates(probe: SuccessProbe) -> list[dict[str, Any]]:
             "predicted": list(map(float, p)),
             "half_a": list(map(float, a)),
             "half_b": list(map(float, b)),
+            "counts": list(map(int, c)),
         }
-        for it, ids, p, a, b in probe.rates
+        for it, ids, p, a, b, c in probe.rates
     ]
 
 
@@ -891,6 +892,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--workers", type=int, default=2, help="seeds run in parallel processes, one thread each")
     p.add_argument("--methods", nargs="*", default=[], help="run only these methods (default: all)")
+    p.add_argument(
+        "--probe-rates",
+        action="store_true",
+        help="keep every probe's candidates (true rates, predictions, Stage 1's bare rollouts) in the JSON, "
+        "for benchmarks/budget_by_rate.py",
+    )
     p.add_argument(
         "--resume",
         action="store_true",

@@ -196,8 +196,9 @@ class SuccessProbe(Callback):
             seed,
         )
         self.history: list[tuple[int, dict[str, float]]] = []
-        # (iteration, candidate task ids, raw root predictions, half A's and half B's successes)
-        self.rates: list[tuple[int, list[int], np.ndarray, np.ndarray, np.ndarray]] = []
+        # (iteration, candidate task ids, raw root predictions, half A's and half B's successes, the bare
+        # rollouts Stage 1 gave each candidate)
+        self.rates: list[tuple[int, list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         data = RolloutDataModule.of(trainer)
@@ -212,7 +213,9 @@ class SuccessProbe(Callback):
         counts = report.result.root_counts
         metrics = probe_metrics(report.result.pool_predicted, counts, a, b, self.half, self.max_per_prompt)
         self.history.append((report.iteration, metrics))
-        self.rates.append((report.iteration, list(report.pool_ids), report.result.pool_predicted, a, b))
+        self.rates.append(
+            (report.iteration, list(report.pool_ids), report.result.pool_predicted, a, b, np.asarray(counts))
+        )
         for logger in trainer.loggers:
             logger.log_metrics(
                 {k: v for k, v in metrics.items() if math.isfinite(v)}, step=trainer.global_step
