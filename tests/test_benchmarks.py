@@ -154,3 +154,29 @@ def test_allocation_room_expected_mixed_matches_sampling():
     successes = rng.binomial(counts, v, size=(200_000, 4))  # [trials, prompts]
     sampled = ((successes > 0) & (successes < counts) & (counts > 0)).sum(axis=1).mean()
     assert expected_mixed(v, counts) == pytest.approx(sampled, abs=0.01)
+
+
+def test_budget_by_rate_against_a_hand_count(tmp_path):
+    # two probes of 4 episodes: rates 0, 1/2, 1 with 2, 4, 2 rollouts; rates 1/4, 3/4 with 4 and 4
+    probes = [
+        {"episodes": 4, "half_a": [0, 1, 2], "half_b": [0, 1, 2], "counts": [2, 4, 2]},
+        {"episodes": 4, "half_a": [1, 1], "half_b": [0, 2], "counts": [4, 4]},
+    ]
+    result = {"seeds": [{"runs": [{"method": "m", "seed": 0, "probe_rates": probes}]}]}
+    path, out = tmp_path / "run.json", tmp_path / "tables.json"
+    path.write_text(json.dumps(result))
+    proc = benchmark("budget_by_rate.py", str(path), "--out", str(out))
+    assert "mixed/100" in proc.stdout
+    t = json.loads(out.read_text())["m"]
+    # five candidates, one in each bin but (3/4, 1); 16 rollouts
+    assert list(t["pool_share"].values()) == pytest.approx([0.2, 0.2, 0.2, 0.2, 0.0, 0.2])
+    assert list(t["budget_share"].values()) == pytest.approx([2 / 16, 4 / 16, 4 / 16, 4 / 16, 0.0, 2 / 16])
+    assert t["mean_rate"] == pytest.approx((0.5 * 4 + 1 * 2 + 0.25 * 4 + 0.75 * 4) / 16)
+    assert t["mean_variance"] == pytest.approx((0.25 * 4 + 0.1875 * 8) / 16)
+    # a group of 4 drawn from 4 episodes is those episodes: mixed unless they all agree (3 of 5 candidates)
+    assert t["mixed_per_100"] == pytest.approx(100 * 3 / 16)
+    result["seeds"][0]["runs"][0].pop("probe_rates")
+    path.write_text(json.dumps(result))
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        benchmark("budget_by_rate.py", str(path))
+    assert "--probe-rates" in failed.value.stderr
