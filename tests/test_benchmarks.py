@@ -180,3 +180,15 @@ def test_budget_by_rate_against_a_hand_count(tmp_path):
     with pytest.raises(subprocess.CalledProcessError) as failed:
         benchmark("budget_by_rate.py", str(path))
     assert "--probe-rates" in failed.value.stderr
+
+
+def test_budget_by_rate_cell_spread_by_hand():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from budget_by_rate import cell_spread
+
+    cell = {1: ("a",), 2: ("a",), 3: ("b",), 4: ("c",)}.__getitem__
+    # probe 1: all 8 rollouts on cell a (one cell); probe 2: 2, 2 on cells b and c (shares 1/2, 1/2)
+    probes = [{"task_ids": [1, 2, 3], "counts": [4, 4, 0]}, {"task_ids": [3, 4, 1], "counts": [2, 2, 0]}]
+    got = cell_spread(probes, cell)
+    assert got["top_cell_share"] == pytest.approx((1.0 + 0.5) / 2)
+    assert got["effective_cells"] == pytest.approx((1.0 + 2.0) / 2)  # exp(0) and exp(log 2)
