@@ -24,7 +24,8 @@ sets and the warm start are shared, so methods are paired within a seed.
 Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prompt count: groups of
 `--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once
 per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated),
-uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps);
+uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps),
+trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -149,6 +150,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_ungated_bounded": Method(
             shipped, leaves, selection | {"gate_skill": None}, estimator=TreeGRPO(bounded=True)
         ),
+        # trace, and its ungated twin, with no attribute cell given more than GRPO's share of candidates
+        "trace_quota": Method(shipped, leaves, selection | {"cell_quota": 1.0}),
+        "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
         # GRPO and trace with each tree's leaves dealt across the iteration's steps (data.spread_trees)
         "uniform_spread": Method(alloc.uniform(4), leaves, spread=True),
         "trace_spread": Method(shipped, leaves, selection, spread=True),
@@ -667,6 +671,8 @@ MAIN = [
     "trace_ungated_bounded",
     "uniform_spread",
     "trace_spread",
+    "trace_quota",
+    "trace_ungated_quota",
 ]
 
 

@@ -21,6 +21,8 @@ SAME_BUDGET = [
     "trace_ungated_bounded",
     "uniform_spread",
     "trace_spread",
+    "trace_quota",
+    "trace_ungated_quota",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",

@@ -175,7 +175,36 @@ def test_bad_values_name_their_key():
         Selection(explore_groups=1, explore_size=1)
     with pytest.raises(ValueError, match="selection.max_visits"):
         Selection(max_visits=0)
+    with pytest.raises(ValueError, match="selection.cell_quota"):
+        Selection(cell_quota=0.0)
     with pytest.raises(ValueError, match="data.pool_size"):
         Selection().draw_pool([0, 1], 3, 0, np.random.default_rng(0))
     with pytest.raises(ValueError, match="cold_start.decay"):
         BetaPrior(decay=0.0)
+
+
+def test_the_cell_quota_worked_example():
+    keys = [("a",), ("a",), ("a",), ("b",)]
+    got = Selection(cell_quota=1.0).quota(np.array([0.5, 0.6, 0.9, 0.2]), keys, trained=2)
+    # cell a: ceil(1 * 3 * 2 / 4) = 2 kept, those nearest 0.5; cell b: ceil(0.5) = 1
+    assert got.tolist() == [0.5, 0.6, 0.0, 0.2]
+    assert Selection().quota(np.array([0.5, 0.6, 0.9, 0.2]), keys, trained=2).tolist() == [0.5, 0.6, 0.9, 0.2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_cell_quota_keeps_each_cells_share_and_its_most_uncertain(seed):
+    rng = np.random.default_rng(seed)
+    pool, trained = int(rng.integers(4, 40)), float(rng.integers(1, 12))
+    q = float(rng.choice([0.5, 1.0, 2.0]))
+    keys = [(f"x={rng.integers(3)}", f"y={rng.integers(3)}") for _ in range(pool)]
+    v = rng.uniform(0.01, 0.99, pool)
+    got = Selection(cell_quota=q).quota(v, keys, trained)
+    for cell in set(keys):
+        idx = [i for i in range(pool) if keys[i] == cell]
+        kept = [i for i in idx if got[i] > 0]
+        dropped = [i for i in idx if got[i] == 0]
+        share = q * len(idx) * trained / pool  # the cell's share of GRPO's prompts, times the quota
+        assert len(kept) == min(len(idx), max(1, int(np.ceil(share - 1e-9))))
+        assert all(got[i] == v[i] for i in kept)  # kept estimates are untouched
+        if kept and dropped:  # nothing dropped is nearer 0.5 than anything kept
+            assert max(abs(v[i] - 0.5) for i in kept) <= min(abs(v[i] - 0.5) for i in dropped)

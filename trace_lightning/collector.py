@@ -273,6 +273,9 @@ class RolloutCollector:
         if self.selection.attributes and self.attribute_keys:  # what transfers between fresh prompts
             predicted = self.selection.pooled_rates([self.attribute_keys[t] for t in pool_ids])
         estimates, steer = self.stage1_estimates(module, pool_ids, predicted)  # [P] Stage 1's
+        if steer and self.attribute_keys:  # no attribute cell takes more than its quota of candidates
+            trained = budget.leaves / self.allocator.leaf_step(False)  # GRPO's prompts at this budget
+            estimates = self.selection.quota(estimates, [self.attribute_keys[t] for t in pool_ids], trained)
         reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
         plan = _Plan(
             pool_ids, pool, used_prior, score, raw, predicted, estimates, reserved, calibration, began, steer

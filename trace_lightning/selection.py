@@ -77,6 +77,12 @@ class Selection:
     attribute_strength: float = 4.0  # pseudo-rollouts a level's rate is shrunk towards its parent's with
     attribute_decay: float = 0.8  # every pooled count is multiplied by this once per iteration
     pooled: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)  # key -> (wins, n)
+    # While the estimates steer: candidates of one attribute cell (the finest key) beyond cell_quota
+    # times the prompts GRPO would train from that cell (at least 1) get estimate 0, so Stage 1 spends
+    # on them only what nothing else earns more with. Pooled rates are equal within a cell, and the exact
+    # program would otherwise fill the best cell with the whole budget (measured on the testbed: 65% of
+    # the rollouts on one cell against GRPO's 38%). null: no quota.
+    cell_quota: float | None = None
 
     def __post_init__(self) -> None:
         if self.predictor_strength < 0 or self.gate_window < 1 or self.visit_window < 1:
@@ -104,6 +110,8 @@ class Selection:
                 f"selection.attribute_strength={self.attribute_strength} must be > 0 and selection."
                 f"attribute_decay={self.attribute_decay} in (0, 1]"
             )
+        if self.cell_quota is not None and self.cell_quota <= 0:
+            raise ValueError(f"selection.cell_quota={self.cell_quota} must be > 0, or null for no quota")
         if self.max_visits is not None and self.max_visits < 1:
             raise ValueError(f"selection.max_visits={self.max_visits} must be >= 1, or null for no cap")
 
@@ -174,6 +182,26 @@ class Selection:
         s, f = prior.successes_failures(task_ids)
         k = self.predictor_strength if steer else 0.0
         return rng.beta(prior.alpha + s + k * predicted, prior.beta + f + k * (1.0 - predicted))
+
+    def quota(self, estimates: np.ndarray, keys: Sequence[tuple[str, ...]], trained: float) -> np.ndarray:
+        """`estimates` [P] with the candidates beyond their cell's quota set to 0 (none without
+        `cell_quota`). A cell of n candidates among P keeps ceil(cell_quota * n * trained / P) of them,
+        at least 1, where `trained` is how many prompts GRPO would train from the pool: those whose
+        estimate is nearest 0.5, the pool's order among ties.
+
+        Example: quota 1, trained 2, keys (a, a, a, b), estimates (0.5, 0.6, 0.9, 0.2): cell a keeps
+        ceil(1.5) = 2 candidates (0.5 and 0.6), b its one -> (0.5, 0.6, 0, 0.2)."""
+        out = np.array(estimates, dtype=np.float64)
+        if self.cell_quota is None:
+            return out
+        cells: dict[tuple[str, ...], list[int]] = {}
+        for i, key in enumerate(keys):
+            cells.setdefault(tuple(key), []).append(i)
+        for members in cells.values():
+            keep = max(1, int(np.ceil(self.cell_quota * len(members) * trained / len(keys) - 1e-9)))
+            ranked = sorted(members, key=lambda i: abs(out[i] - 0.5))  # stable: pool order among ties
+            out[ranked[keep:]] = 0.0
+        return out
 
     def pooled_rates(self, keys: Sequence[tuple[str, ...]]) -> np.ndarray:
         """Each task's success estimate from the pooled bare outcomes of tasks that share its attributes
