@@ -25,7 +25,8 @@ Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prom
 `--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once
 per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated),
 uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps),
-trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates);
+trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates),
+trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -153,6 +154,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # trace, and its ungated twin, with no attribute cell given more than GRPO's share of candidates
         "trace_quota": Method(shipped, leaves, selection | {"cell_quota": 1.0}),
         "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
+        # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
+        "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
+        "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
         # GRPO and trace with each tree's leaves dealt across the iteration's steps (data.spread_trees)
         "uniform_spread": Method(alloc.uniform(4), leaves, spread=True),
         "trace_spread": Method(shipped, leaves, selection, spread=True),
@@ -673,6 +677,8 @@ MAIN = [
     "trace_spread",
     "trace_quota",
     "trace_ungated_quota",
+    "trace_ungated_n0",
+    "true_v_n0",
 ]
 
 
