@@ -307,6 +307,19 @@ def test_a_collector_that_overrides_stage_1s_estimates_steers_stage_1(tiny_model
     assert report.result.root_counts[1] == 4  # the cap on the only uncertain one, the rest by tie-break
 
 
+def test_grpo_reports_no_steering_whatever_the_gate_says(tiny_model_dir):
+    """GRPO's uniform groups read no estimate, so its iterations are never reported as steered, even with
+    a gate that is always open; trace's are, under the same gate."""
+    from trace_lightning.selection import Selection
+
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    for allocator, steered in ((alloc.uniform(2), False), (alloc.trace(expansion=2, max_per_prompt=4), True)):
+        data = make_data(allocator=allocator, selection=Selection(explore_groups=1, gate_skill=None))
+        data.build_iteration(module)
+        assert data.report.steered is steered
+
+
 def test_the_unbiased_slice_is_rolled_out_on_top_of_stage_1(tiny_model_dir):
     from trace_lightning.selection import Selection
 

@@ -364,6 +364,11 @@ class TreeAllocator:
         """Stage 1's rule: `roots` while the estimates steer, the `closed` one (where set) otherwise."""
         return self.roots if steer or self.closed is None else self.closed
 
+    def steered(self, steer: bool) -> bool:
+        """Whether the estimates steered this iteration's Stage 1: the gate is open (`steer`) and its rule
+        reads them (GRPO's uniform groups read none, whatever the gate says)."""
+        return steer and not isinstance(self.root_rule(steer), UniformRoots)
+
     def give_back(
         self, predicted: np.ndarray, leaves: int, rng: np.random.Generator, steer: bool = True
     ) -> np.ndarray:

@@ -233,7 +233,7 @@ class RolloutCollector:
             collect_seconds=time.perf_counter() - began,
             optimizer_steps=len(batches) // per_step,
             micro_batches_per_step=per_step,
-            steered=plan.steer,
+            steered=self.allocator.steered(plan.steer),
             flips=flips,
         )
         self.iteration += 1
