@@ -26,7 +26,8 @@ Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prom
 per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated),
 uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps),
 trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates),
-trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates);
+trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates),
+trace_ungated_head (steered every iteration by the predictor's per-prompt estimates, no pooling);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -154,6 +155,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # trace, and its ungated twin, with no attribute cell given more than GRPO's share of candidates
         "trace_quota": Method(shipped, leaves, selection | {"cell_quota": 1.0}),
         "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
+        # steered every iteration by the predictor's own per-prompt estimates instead of pooled rates
+        "trace_ungated_head": Method(shipped, leaves, selection | {"gate_skill": None, "attributes": False}),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -679,6 +682,7 @@ MAIN = [
     "trace_ungated_quota",
     "trace_ungated_n0",
     "true_v_n0",
+    "trace_ungated_head",
 ]
 
 

@@ -25,6 +25,7 @@ SAME_BUDGET = [
     "trace_ungated_quota",
     "trace_ungated_n0",
     "true_v_n0",  # not a method either: true_v's Stage 1 without continuations
+    "trace_ungated_head",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
