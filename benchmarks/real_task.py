@@ -45,6 +45,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace": [],
     "grpo": ["allocator=uniform", "advantage=grpo"],
     "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
+    # trace steered every iteration by the head's per-prompt estimates: no attribute pooling, no gate
+    "trace_head": ["selection.attributes=false", "selection.gate_skill=null"],
 }
 
 
