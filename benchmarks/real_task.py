@@ -47,6 +47,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
     # trace steered every iteration by the head's per-prompt estimates: no attribute pooling, no gate
     "trace_head": ["selection.attributes=false", "selection.gate_skill=null"],
+    # the same estimates behind a gate at skill 0: they steer only while they beat the base rate
+    "trace_head_gate0": ["selection.attributes=false", "selection.gate_skill=0.0"],
 }
 
 
