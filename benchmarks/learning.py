@@ -157,6 +157,11 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
         # steered every iteration by the predictor's own per-prompt estimates instead of pooled rates
         "trace_ungated_head": Method(shipped, leaves, selection | {"gate_skill": None, "attributes": False}),
+        # the same estimates behind a gate at skill 0 (steer while they beat the base rate), and alone (N = 0)
+        "trace_head_gate0": Method(shipped, leaves, selection | {"gate_skill": 0.0, "attributes": False}),
+        "trace_ungated_head_n0": Method(
+            alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None, "attributes": False}
+        ),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -683,6 +688,8 @@ MAIN = [
     "trace_ungated_n0",
     "true_v_n0",
     "trace_ungated_head",
+    "trace_head_gate0",
+    "trace_ungated_head_n0",
 ]
 
 
