@@ -49,6 +49,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head": ["selection.attributes=false", "selection.gate_skill=null"],
     # the same estimates behind a gate at skill 0: they steer only while they beat the base rate
     "trace_head_gate0": ["selection.attributes=false", "selection.gate_skill=0.0"],
+    # and with Stage 1 alone (N = 0): the steered iterations' continuations gone, roots trained as GRPO's
+    "trace_head_gate0_n0": ["selection.attributes=false", "selection.gate_skill=0.0", "allocator.expansion=0"],
 }
 
 
