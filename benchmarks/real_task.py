@@ -51,6 +51,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head_gate0": ["selection.attributes=false", "selection.gate_skill=0.0"],
     # and with Stage 1 alone (N = 0): the steered iterations' continuations gone, roots trained as GRPO's
     "trace_head_gate0_n0": ["selection.attributes=false", "selection.gate_skill=0.0", "allocator.expansion=0"],
+    # and with Stage 2 kept, its tree advantages bounded (advantages.tree_grpo_bounded)
+    "trace_head_gate0_bounded": ["selection.attributes=false", "selection.gate_skill=0.0", "advantage.bounded=true"],
 }
 
 
