@@ -162,6 +162,13 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_ungated_head_n0": Method(
             alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None, "attributes": False}
         ),
+        # the head gated at 0 with Stage 1 alone, and with bounded tree advantages (the real model's suspects)
+        "trace_head_gate0_n0": Method(
+            alloc.trace(0, **stage1), leaves, selection | {"gate_skill": 0.0, "attributes": False}
+        ),
+        "trace_head_gate0_bounded": Method(
+            shipped, leaves, selection | {"gate_skill": 0.0, "attributes": False}, estimator=TreeGRPO(bounded=True)
+        ),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -690,6 +697,8 @@ MAIN = [
     "trace_ungated_head",
     "trace_head_gate0",
     "trace_ungated_head_n0",
+    "trace_head_gate0_n0",
+    "trace_head_gate0_bounded",
 ]
 
 
