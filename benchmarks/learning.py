@@ -27,7 +27,9 @@ per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gat
 uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps),
 trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates),
 trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates),
-trace_ungated_head (steered every iteration by the predictor's per-prompt estimates, no pooling);
+trace_ungated_head (steered every iteration by the predictor's per-prompt estimates, no pooling),
+trace_head_gate0 (the same behind a skill gate at 0) with trace_head_gate0_n0 (Stage 1 alone) and
+trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0;
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).

@@ -26,6 +26,10 @@ SAME_BUDGET = [
     "trace_ungated_n0",
     "true_v_n0",  # not a method either: true_v's Stage 1 without continuations
     "trace_ungated_head",
+    "trace_head_gate0",
+    "trace_ungated_head_n0",
+    "trace_head_gate0_n0",
+    "trace_head_gate0_bounded",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
