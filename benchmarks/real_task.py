@@ -41,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WARM_START = "outputs/warm_start/smollm2-math_tool/model"
+HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
     "trace": [],
     "grpo": ["allocator=uniform", "advantage=grpo"],
@@ -48,11 +49,11 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # trace steered every iteration by the head's per-prompt estimates: no attribute pooling, no gate
     "trace_head": ["selection.attributes=false", "selection.gate_skill=null"],
     # the same estimates behind a gate at skill 0: they steer only while they beat the base rate
-    "trace_head_gate0": ["selection.attributes=false", "selection.gate_skill=0.0"],
+    "trace_head_gate0": HEAD_GATE0,
     # and with Stage 1 alone (N = 0): the steered iterations' continuations gone, roots trained as GRPO's
-    "trace_head_gate0_n0": ["selection.attributes=false", "selection.gate_skill=0.0", "allocator.expansion=0"],
+    "trace_head_gate0_n0": [*HEAD_GATE0, "allocator.expansion=0"],
     # and with Stage 2 kept, its tree advantages bounded (advantages.tree_grpo_bounded)
-    "trace_head_gate0_bounded": ["selection.attributes=false", "selection.gate_skill=0.0", "advantage.bounded=true"],
+    "trace_head_gate0_bounded": [*HEAD_GATE0, "advantage.bounded=true"],
 }
 
 
