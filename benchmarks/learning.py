@@ -126,7 +126,11 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     selection = dict(args.experiment["selection"])
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
     gate = {"explore_groups": 2, "gate_skill": 0.0}
-    head_gate0 = {"gate_skill": 0.0, "attributes": False}  # the head's per-prompt estimates, gated at skill 0
+    head = {
+        "gate_skill": None,
+        "attributes": False,
+    }  # the head's per-prompt estimates, steering every iteration
+    head_gate0 = head | {"gate_skill": 0.0}  # the same, while their slice skill beats the base rate
     old = policy_state_head(args)
     return {
         "uniform": Method(alloc.uniform(4), leaves),
@@ -159,12 +163,10 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_quota": Method(shipped, leaves, selection | {"cell_quota": 1.0}),
         "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
         # steered every iteration by the predictor's own per-prompt estimates instead of pooled rates
-        "trace_ungated_head": Method(shipped, leaves, selection | {"gate_skill": None, "attributes": False}),
+        "trace_ungated_head": Method(shipped, leaves, selection | head),
         # the same estimates behind a gate at skill 0 (steer while they beat the base rate), and alone (N = 0)
         "trace_head_gate0": Method(shipped, leaves, selection | head_gate0),
-        "trace_ungated_head_n0": Method(
-            alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None, "attributes": False}
-        ),
+        "trace_ungated_head_n0": Method(alloc.trace(0, **stage1), leaves, selection | head),
         # the head gated at 0 with Stage 1 alone, and with bounded tree advantages (the real model's suspects)
         "trace_head_gate0_n0": Method(alloc.trace(0, **stage1), leaves, selection | head_gate0),
         "trace_head_gate0_bounded": Method(

@@ -273,9 +273,8 @@ class RolloutCollector:
         if self.selection.attributes and self.attribute_keys:  # what transfers between fresh prompts
             predicted = self.selection.pooled_rates([self.attribute_keys[t] for t in pool_ids])
         estimates, steer = self.stage1_estimates(module, pool_ids, predicted)  # [P] Stage 1's
-        if (
-            steer and self.attribute_keys and self.selection.cell_quota is not None
-        ):  # a cap per attribute cell
+        # with selection.cell_quota, no attribute cell takes more than its quota of candidates
+        if steer and self.attribute_keys and self.selection.cell_quota is not None:
             trained = budget.leaves / self.allocator.leaf_step(False)  # GRPO's prompts at this budget
             estimates = self.selection.quota(estimates, [self.attribute_keys[t] for t in pool_ids], trained)
         reserved = self.selection.explore(len(pool), self.rng)  # [P] the unbiased slice's rollouts
