@@ -29,7 +29,8 @@ trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's sh
 trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates),
 trace_ungated_head (steered every iteration by the predictor's per-prompt estimates, no pooling),
 trace_head_gate0 (the same behind a skill gate at 0) with trace_head_gate0_n0 (Stage 1 alone) and
-trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0;
+trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0; trace_split and
+trace_head_gate0_split (the turns sampled from one prefix share one trajectory's weight);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -171,6 +172,12 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_head_gate0_n0": Method(alloc.trace(0, **stage1), leaves, selection | head_gate0),
         "trace_head_gate0_bounded": Method(
             shipped, leaves, selection | head_gate0, estimator=TreeGRPO(bounded=True)
+        ),
+        # the shipped trace and the head gated at 0 with the turns sampled from one prefix sharing one
+        # trajectory's weight (advantages.branch_weights)
+        "trace_split": Method(shipped, leaves, selection, estimator=TreeGRPO(branch_weight=True)),
+        "trace_head_gate0_split": Method(
+            shipped, leaves, selection | head_gate0, estimator=TreeGRPO(branch_weight=True)
         ),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
@@ -702,6 +709,8 @@ MAIN = [
     "trace_ungated_head_n0",
     "trace_head_gate0_n0",
     "trace_head_gate0_bounded",
+    "trace_split",
+    "trace_head_gate0_split",
 ]
 
 

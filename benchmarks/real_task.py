@@ -54,6 +54,10 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head_gate0_n0": [*HEAD_GATE0, "allocator.expansion=0"],
     # and with Stage 2 kept, its tree advantages bounded (advantages.tree_grpo_bounded)
     "trace_head_gate0_bounded": [*HEAD_GATE0, "advantage.bounded=true"],
+    # the shipped trace, and the head gated at 0, with the turns sampled from one prefix sharing one
+    # trajectory's weight (advantages.branch_weights)
+    "trace_split": ["advantage.branch_weight=true"],
+    "trace_head_gate0_split": [*HEAD_GATE0, "advantage.branch_weight=true"],
 }
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_lightning.advantages import (
+    branch_weights,
     dr_grpo,
     dr_grpo_reference,
     grpo,
@@ -244,3 +245,27 @@ def test_tree_estimators_match_reference(forest: dict[str, torch.Tensor], scale:
     torch.testing.assert_close(node_adv, node_advantages_from_leaves_reference(*node_args))
     # A leaf's node advantage is its own advantage: the rule only averages where leaves share a node.
     torch.testing.assert_close(node_adv[forest["leaf_index"]], forest["leaf_adv"])
+
+
+def test_branch_weights_hand_example() -> None:
+    # root 0 -> 1; 1 -> 2 (bare), 3, 4 (continuations); 2 -> 5 (bare), 6; a second root 7 -> 8
+    w = branch_weights([-1, 0, 1, 1, 1, 2, 2, -1, 7])
+    assert w.tolist() == pytest.approx([1, 1, 1 / 3, 1 / 3, 1 / 3, 1 / 6, 1 / 6, 1, 1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(forests())
+def test_branch_weights_are_products_of_shares(forest: dict[str, torch.Tensor]) -> None:
+    """From the definition: a first turn weighs 1; every step down from a turn prefix divides by the
+    number of turns sampled from it. So the children of any turn prefix sum to its weight."""
+    parents = forest["parents"].tolist()
+    w = branch_weights(forest["parents"].numpy())
+    for node, parent in enumerate(parents):
+        expected, cur = 1.0, node
+        while parent >= 0 and parents[parent] >= 0:  # cur sits below a turn prefix, not a root
+            expected /= parents.count(parent)
+            cur, parent = parent, parents[parent]
+        assert w[node] == pytest.approx(expected)
+    for prefix in {p for p in parents if p >= 0 and parents[p] >= 0}:
+        kids = [i for i, p in enumerate(parents) if p == prefix]
+        assert sum(w[k] for k in kids) == pytest.approx(w[prefix])

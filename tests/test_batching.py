@@ -50,6 +50,15 @@ def test_tree_grpo_shared_prefix_sum_weighs_a_prefix_once_per_leaf():
         TreeGRPO(shared_prefix="max")
 
 
+def test_tree_grpo_branch_weight_splits_a_prefix_between_its_samples():
+    plain, other = node_advantages(two_trees(), TreeGRPO())
+    split, other_split = node_advantages(two_trees(), TreeGRPO(branch_weight=True))
+    # tree 0: node a (first turn) and d keep their weight; b (bare) and c (a continuation from a) are the
+    # two samples of a's next turn: half each
+    np.testing.assert_allclose(split, plain * np.array([1, 1, 0.5, 1, 0.5]))
+    np.testing.assert_allclose(other_split, other)
+
+
 def test_tree_grpo_bounded_reads_which_leaves_are_bare():
     a0, a1 = node_advantages(two_trees(), TreeGRPO(bounded=True))
     # tree 0: bare leaves b (1) and d (0): prompt term +-0.7071 for all three leaves (c, a continuation,

@@ -30,6 +30,8 @@ SAME_BUDGET = [
     "trace_ungated_head_n0",
     "trace_head_gate0_n0",
     "trace_head_gate0_bounded",
+    "trace_split",
+    "trace_head_gate0_split",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",

@@ -207,6 +207,36 @@ def tree_segment(
     return torch.where(trainable, adv, torch.zeros_like(adv))
 
 
+def branch_weights(parents: np.ndarray) -> np.ndarray:
+    """Each node's share of one trajectory's weight [n_nodes]: 1 for a first turn (each is one sample
+    from the prompt, as a GRPO rollout is), and below that the parent's share split evenly over its
+    children, w(s) = w(parent(s)) / children(parent(s)).
+
+    A turn prefix with its bare turn and k continuations has k + 1 samples of the next turn where the
+    policy's own distribution visits that state once; weighting each by 1 / (k + 1) keeps the tree's
+    policy gradient at the scale of the bare rollouts it grew from, so copies of a decided prefix
+    (k continuations that all end like the bare rollout) cannot outweigh the rest of the batch.
+
+    Example: root 0 -> turn 1 -> turns 2 (bare), 3 and 4 (continuations of turn 1); turn 2 -> turns 5
+    (bare) and 6 -> weights [1, 1, 1/3, 1/3, 1/3, 1/6, 1/6].
+
+    Args:
+        parents: [n_nodes] long, parent index, -1 for roots; parents[i] < i.
+    """
+    parents = np.asarray(parents, dtype=np.int64)
+    children = np.bincount(parents[parents >= 0], minlength=len(parents))  # [n_nodes]
+    depth = np.zeros(len(parents), dtype=np.int64)  # [n_nodes]
+    up = parents.copy()
+    while (up >= 0).any():  # one step per level: every node still below a root climbs together
+        depth += up >= 0
+        up = np.where(up >= 0, parents[np.maximum(up, 0)], -1)
+    weight = np.ones(len(parents))  # [n_nodes]
+    for d in range(2, int(depth.max(initial=0)) + 1):  # parents are shallower, so already weighted
+        at = np.flatnonzero(depth == d)
+        weight[at] = weight[parents[at]] / children[parents[at]]
+    return weight
+
+
 def node_advantages_from_leaves(
     parents: torch.Tensor, leaf_index: torch.Tensor, leaf_adv: torch.Tensor, reduce: str = "mean"
 ) -> torch.Tensor:
@@ -456,10 +486,14 @@ class TreeGRPO:
     the default) or with their sum ("sum": the weight it would have if each leaf's sequence trained it).
     `bounded`: the prompt term's mean and std come from the bare rollouts only and the subtree term is
     centred, not standardised (`advantages.tree_grpo_bounded`), so a rare flip among near-copies gets a
-    bounded advantage instead of one that grows with the number of copies."""
+    bounded advantage instead of one that grows with the number of copies.
+    `branch_weight`: every node's advantage is scaled by its `branch_weights` share, so the turns sampled
+    from one prefix (its bare turn and the continuations started there) together weigh what one
+    trajectory's turn does: the tree's extra samples sharpen the estimate at that prefix, not its weight."""
 
     shared_prefix: str = "mean"
     bounded: bool = False
+    branch_weight: bool = False
     name = "tree_grpo"
 
     def __post_init__(self) -> None:
@@ -470,10 +504,14 @@ class TreeGRPO:
 
     def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
         if self.bounded:
-            return _from_leaves(
+            out = _from_leaves(
                 trees, lambda r, g, local, bare: tree_grpo_bounded(r, local, g, bare), self.shared_prefix
             )
-        return _from_leaves(trees, lambda r, g, local, _: tree_grpo(r, local, g), self.shared_prefix)
+        else:
+            out = _from_leaves(trees, lambda r, g, local, _: tree_grpo(r, local, g), self.shared_prefix)
+        if self.branch_weight:
+            out = [a * branch_weights(t.parents()) for a, t in zip(out, trees, strict=True)]
+        return out
 
 
 @dataclass(frozen=True)
