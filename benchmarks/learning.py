@@ -30,7 +30,8 @@ trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled
 trace_ungated_head (steered every iteration by the predictor's per-prompt estimates, no pooling),
 trace_head_gate0 (the same behind a skill gate at 0) with trace_head_gate0_n0 (Stage 1 alone) and
 trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0; trace_split and
-trace_head_gate0_split (the turns sampled from one prefix share one trajectory's weight);
+trace_head_gate0_split (the turns sampled from one prefix share one trajectory's prompt-level credit),
+trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -123,6 +124,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
     m = leaves // (1 + n)
     shipped = instantiate(args.experiment["allocator"])
+    pricing = args.experiment["allocator"]["pricing"]
+    in_tokens = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"worth": "tokens"}})
     stage1 = {k: args.experiment["allocator"][k] for k in ("min_group", "max_per_prompt", "breadth")}
     selection = dict(args.experiment["selection"])
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
@@ -179,6 +182,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_head_gate0_split": Method(
             shipped, leaves, selection | head_gate0, estimator=TreeGRPO(branch_weight=True)
         ),
+        # the head gated at 0 with Stage 2 priced in tokens that get a contrast instead of leaves
+        "trace_head_gate0_tokens": Method(in_tokens, leaves, selection | head_gate0),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -550,21 +555,26 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         spread = evaluate(module, envs[1], argparse.Namespace(**vars(args) | {"eval_samples": 8}), seed + 500)
         info = warm["info"] | {"heldout_success": start["success"], **difficulty(spread["per_task"])}
         print(f"seed {seed}: warm start {info}", flush=True)
-        runs = [
-            train_run(name, method, model_dir, warm["weights"], envs, args, seed, start)
-            for name, method in methods(args).items()
-            if name in args.methods or not args.methods
-        ]
-    result = {"seed": seed, "warm_start": info, "runs": runs, "seconds": time.perf_counter() - clock}
-    args.out.parent.mkdir(parents=True, exist_ok=True)  # each seed is kept on its own as soon as it ends
-    args.out.with_name(f".{args.out.stem}_seed{seed}.json").write_text(json.dumps(result))
-    return result
+        path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
+        earlier = json.loads(path.read_text())["runs"] if args.resume and path.exists() else []
+        weights = warm["weights"]
+        kept = {r["method"]: r for r in earlier}
+        runs = []
+        for name, method in methods(args).items():
+            if args.methods and name not in args.methods:
+                continue
+            run = kept.get(name) or train_run(name, method, model_dir, weights, envs, args, seed, start)
+            runs.append(run)
+            kept[name] = run  # each run is kept as soon as it ends, beside the file's other methods
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"seed": seed, "warm_start": info, "runs": list(kept.values())}))
+    return {"seed": seed, "warm_start": info, "runs": runs, "seconds": time.perf_counter() - clock}
 
 
 def finished_seed(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
     """The seed's result from an earlier run's file, restricted to the requested methods, or None
-    when there is no such file or it lacks one of them. The file does not record the arguments:
-    resuming is only honest with the same ones."""
+    when there is no such file or it lacks one of them (then `run_seed` trains only the missing ones).
+    The file does not record the arguments: resuming is only honest with the same ones."""
     path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
     if not path.exists():
         return None
@@ -711,6 +721,7 @@ MAIN = [
     "trace_head_gate0_bounded",
     "trace_split",
     "trace_head_gate0_split",
+    "trace_head_gate0_tokens",
 ]
 
 
@@ -946,7 +957,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resume",
         action="store_true",
         help="take a seed from the file an earlier run with the same arguments left (.<out>_seed<k>.json) "
-        "when it holds every requested method, instead of running it again",
+        "when it holds every requested method, else train only the methods it lacks",
     )
     p.add_argument("--tasks", type=int, default=1000, help="training tasks")
     p.add_argument("--task-seed", type=int, default=0, help="seed of the task sets and the warm start")

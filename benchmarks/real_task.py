@@ -58,6 +58,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # trajectory's weight (advantages.branch_weights)
     "trace_split": ["advantage.branch_weight=true"],
     "trace_head_gate0_split": [*HEAD_GATE0, "advantage.branch_weight=true"],
+    # the head gated at 0 with Stage 2 priced in tokens that get a contrast, not leaves (pricing.py)
+    "trace_head_gate0_tokens": [*HEAD_GATE0, "allocator.pricing.worth=tokens"],
 }
 
 

@@ -261,10 +261,10 @@ def test_branch_weights_are_products_of_shares(forest: dict[str, torch.Tensor]) 
     parents = forest["parents"].tolist()
     w = branch_weights(forest["parents"].numpy())
     for node, parent in enumerate(parents):
-        expected, cur = 1.0, node
-        while parent >= 0 and parents[parent] >= 0:  # cur sits below a turn prefix, not a root
+        expected = 1.0
+        while parent >= 0 and parents[parent] >= 0:  # the step down from a turn prefix, not from a root
             expected /= parents.count(parent)
-            cur, parent = parent, parents[parent]
+            parent = parents[parent]
         assert w[node] == pytest.approx(expected)
     for prefix in {p for p in parents if p >= 0 and parents[p] >= 0}:
         kids = [i for i, p in enumerate(parents) if p == prefix]

@@ -50,13 +50,18 @@ def test_tree_grpo_shared_prefix_sum_weighs_a_prefix_once_per_leaf():
         TreeGRPO(shared_prefix="max")
 
 
-def test_tree_grpo_branch_weight_splits_a_prefix_between_its_samples():
-    plain, other = node_advantages(two_trees(), TreeGRPO())
-    split, other_split = node_advantages(two_trees(), TreeGRPO(branch_weight=True))
-    # tree 0: node a (first turn) and d keep their weight; b (bare) and c (a continuation from a) are the
-    # two samples of a's next turn: half each
-    np.testing.assert_allclose(split, plain * np.array([1, 1, 0.5, 1, 0.5]))
-    np.testing.assert_allclose(other_split, other)
+def test_tree_grpo_branch_weight_splits_the_prompt_term_of_a_prefix_between_its_samples():
+    split, other = node_advantages(two_trees(), TreeGRPO(branch_weight=True))
+    # tree 0, leaves b (1), d (0), c (0; a continuation from a): prompt term over all three, mean 1/3,
+    # std sqrt(1/3): b +1.1547, d and c -0.5774; subtree {b, c}: +-0.7071, {d} alone 0. b and c are the
+    # two samples of a's next turn, so their prompt terms count half; a and d (first turns) count whole
+    g, h = (2 / 3) / (np.sqrt(1 / 3) + 1e-6), (1 / 3) / (np.sqrt(1 / 3) + 1e-6)
+    loc = 1 / np.sqrt(2)
+    np.testing.assert_allclose(split, [0, (g - h) / 2, loc + g / 2, -h, -loc - h / 2], rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(other, [0, 0])  # one leaf: no contrast
+    bounded, _ = node_advantages(two_trees(), TreeGRPO(bounded=True, branch_weight=True))
+    # bounded: prompt term from the bare pair b, d (+-0.7071), subtree term centred (+-0.5)
+    np.testing.assert_allclose(bounded[[2, 3, 4]], [0.5 + loc / 2, -loc, -0.5 - loc / 2], rtol=1e-5)
 
 
 def test_tree_grpo_bounded_reads_which_leaves_are_bare():

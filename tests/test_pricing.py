@@ -18,6 +18,7 @@ from trace_lightning.pricing import (
     fill_best,
     probe,
     signal_leaves,
+    signal_tokens,
     solve_priced,
 )
 from trace_lightning.selection import Selection
@@ -27,10 +28,11 @@ from trace_lightning.tree import RolloutTree
 TASKS = {t.task_id: t for t in make_tasks(300, turns=4, seed=1)}
 
 
-def _objective(k, f, t, rate):
-    """2 * sum_c [1 - (1 - f_c)^k_c] - rate * sum_c k_c t_c, written from the definition (a flip is
-    worth two leaves with a signal)."""
-    return 2 * sum(1 - (1 - fc) ** kc for kc, fc in zip(k, f, strict=True)) - rate * sum(
+def _objective(k, f, t, rate, w=None):
+    """sum_c w_c [1 - (1 - f_c)^k_c] - rate * sum_c k_c t_c, written from the definition (by default a
+    flip is worth two leaves with a signal: w_c = 2)."""
+    w = [2.0] * len(f) if w is None else w
+    return sum(wc * (1 - (1 - fc) ** kc) for wc, kc, fc in zip(w, k, f, strict=True)) - rate * sum(
         kc * tc for kc, tc in zip(k, t, strict=True)
     )
 
@@ -52,6 +54,41 @@ def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate):
         if sum(c) <= budget
     )
     assert _objective(k, f, t, rate) == pytest.approx(best, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
+    t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
+    budget=st.integers(0, 4),
+    rate=st.floats(0.0, 1.0),
+)
+def test_solve_priced_in_tokens_is_the_brute_force_optimum(f, t, budget, rate):
+    """worth="tokens": a flip at c is worth 2 t_c tokens with a contrast; the rate is in the same unit."""
+    t = t[: len(f)]
+    w = [2.0 * tc for tc in t]
+    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate, worth=np.array(w))
+    best = max(
+        _objective(c, f, t, rate, w)
+        for c in itertools.product(range(budget + 1), repeat=len(f))
+        if sum(c) <= budget
+    )
+    assert _objective(k, f, t, rate, w) == pytest.approx(best, abs=1e-9)
+
+
+def test_a_cheap_last_turn_is_a_bargain_in_leaves_but_not_in_tokens():
+    """A last turn of 8 tokens that flips 5% of the time, against roots where 30% of 1,000 bare tokens sit
+    in mixed groups of 4 rollouts of 100 tokens (3 signal leaves per 1,000 tokens)."""
+    f, t = np.array([0.05]), np.array([8.0])
+    leaves, tokens = FlipRates(Pricing()), FlipRates(Pricing(worth="tokens"))
+    # leaves: 2 * 0.05 = 0.1 against 0.003 * 8 = 0.024: bought, and again while 0.1 * 0.95^k > 0.024
+    assert solve_priced(f, t, 40, 0.003, worth=leaves.flip_worth(t)).tolist() == [28]
+    # tokens: 2 * 0.05 * 8 = 0.8 against 0.3 * 8 = 2.4: never
+    assert solve_priced(f, t, 40, 0.3, worth=tokens.flip_worth(t)).tolist() == [0]
+    assert tokens.flip_worth(np.array([8.0, 100.0])).tolist() == [16.0, 200.0]
+    assert leaves.flip_worth(np.array([8.0, 100.0])).tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="allocator.pricing.worth"):
+        Pricing(worth="flips")
 
 
 def test_solve_priced_by_hand():
@@ -88,7 +125,7 @@ def test_continuation_outcomes_and_flip_rates_by_hand():
     tree = _hand_tree()
     assert continuation_outcomes(tree) == [(1, 2, True, True), (2, 1, True, False)]
     rates = FlipRates(Pricing(flip_prior=0.2, prior_strength=2.0, decay=0.5))
-    flips = rates.observe([tree], signal_leaves=2, bare_tokens=14)
+    flips = rates.observe([tree], signal=2, bare_tokens=14)
     assert flips.continuations == (0, 1, 1) and flips.flips == (0, 1, 0)  # by start depth
     # pooled: (1 flip + 2 * 0.2) / (2 tries + 2) = 0.35; bucket (2, won): (1 + 2 * 0.35) / (1 + 2)
     assert rates.rate((2, True)) == pytest.approx(1.7 / 3)
@@ -106,6 +143,10 @@ def test_signal_leaves_count_the_bare_rollouts_of_mixed_groups():
         leaf = lost.add_turn(0, "bare", [1], [])
         lost.finish(leaf, 0.0, "answer")
     assert signal_leaves([_hand_tree(), lost]) == 2  # one win and one loss; three losses earn nothing
+    # in tokens: the bare turns of the mixed group, 5 + 4 + 3 and 1 + 1 (continuations are not roots)
+    assert signal_tokens([_hand_tree(), lost]) == 14
+    assert FlipRates(Pricing(worth="tokens")).signal([_hand_tree(), lost]) == 14
+    assert FlipRates(Pricing()).signal([_hand_tree(), lost]) == 2
 
 
 def test_the_probe_picks_distinct_candidates_uniformly():

@@ -155,6 +155,14 @@ def tree_grpo_bounded(
         rewards: [L] float; local_groups, global_groups: [L] long, as in `tree_grpo`.
         bare: [L] bool, whether each leaf ends a bare rollout (not a continuation).
     """
+    return bare_prompt_term(rewards, global_groups, bare, eps) + dr_grpo(rewards, local_groups)
+
+
+def bare_prompt_term(
+    rewards: torch.Tensor, global_groups: torch.Tensor, bare: torch.Tensor, eps: float = GRPO_EPS
+) -> torch.Tensor:
+    """`tree_grpo_bounded`'s prompt term [L]: (r - m) / (s + eps) with m, s the mean and unbiased std of
+    the group's bare leaves (0 for the whole group when those have no contrast)."""
     inverse, counts = _group_index(global_groups)
     n = counts.numel()
     weight = bare.to(rewards.dtype)  # [L]
@@ -163,8 +171,7 @@ def tree_grpo_bounded(
     sq = _group_sum((rewards - mean[inverse]).square() * weight, inverse, n)  # [n_groups]
     std = (sq / (n_bare - 1).clamp(min=1)).sqrt()  # [n_groups]
     contrast = (n_bare >= 2) & (sq > 0)  # [n_groups]: two bare leaves that differ
-    prompt = torch.where(contrast[inverse], (rewards - mean[inverse]) / (std[inverse] + eps), 0.0)  # [L]
-    return prompt + dr_grpo(rewards, local_groups)
+    return torch.where(contrast[inverse], (rewards - mean[inverse]) / (std[inverse] + eps), 0.0)  # [L]
 
 
 def tree_segment(
@@ -213,9 +220,10 @@ def branch_weights(parents: np.ndarray) -> np.ndarray:
     children, w(s) = w(parent(s)) / children(parent(s)).
 
     A turn prefix with its bare turn and k continuations has k + 1 samples of the next turn where the
-    policy's own distribution visits that state once; weighting each by 1 / (k + 1) keeps the tree's
-    policy gradient at the scale of the bare rollouts it grew from, so copies of a decided prefix
-    (k continuations that all end like the bare rollout) cannot outweigh the rest of the batch.
+    policy's own distribution visits that state once; weighting each one's prompt-level credit by
+    1 / (k + 1) keeps it at the scale of the bare rollout it grew from (`TreeGRPO.branch_weight`), so
+    copies of a decided prefix (k continuations that all end like the bare rollout) cannot outweigh
+    the rest of the batch.
 
     Example: root 0 -> turn 1 -> turns 2 (bare), 3 and 4 (continuations of turn 1); turn 2 -> turns 5
     (bare) and 6 -> weights [1, 1, 1/3, 1/3, 1/3, 1/6, 1/6].
@@ -487,9 +495,11 @@ class TreeGRPO:
     `bounded`: the prompt term's mean and std come from the bare rollouts only and the subtree term is
     centred, not standardised (`advantages.tree_grpo_bounded`), so a rare flip among near-copies gets a
     bounded advantage instead of one that grows with the number of copies.
-    `branch_weight`: every node's advantage is scaled by its `branch_weights` share, so the turns sampled
-    from one prefix (its bare turn and the continuations started there) together weigh what one
-    trajectory's turn does: the tree's extra samples sharpen the estimate at that prefix, not its weight."""
+    `branch_weight`: the prompt term of every node is scaled by its `branch_weights` share, so the turns
+    sampled from one prefix (its bare turn and the continuations started there) together carry the
+    prompt-level credit of one trajectory's turn; the subtree term, the contrast the tree itself
+    measured between those samples, keeps its full weight. k continuations that all end like their bare
+    rollout add no subtree term, and so no more weight than the bare rollout alone."""
 
     shared_prefix: str = "mean"
     bounded: bool = False
@@ -503,15 +513,19 @@ class TreeGRPO:
             )
 
     def __call__(self, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-        if self.bounded:
-            out = _from_leaves(
-                trees, lambda r, g, local, bare: tree_grpo_bounded(r, local, g, bare), self.shared_prefix
-            )
+        if not self.branch_weight:
+            if self.bounded:
+                return _from_leaves(
+                    trees, lambda r, g, local, bare: tree_grpo_bounded(r, local, g, bare), self.shared_prefix
+                )
+            return _from_leaves(trees, lambda r, g, local, _: tree_grpo(r, local, g), self.shared_prefix)
+        if self.bounded:  # the two terms of tree_grpo_bounded, then of tree_grpo
+            prompt_fn, subtree_fn = (lambda r, g, _, bare: bare_prompt_term(r, g, bare)), dr_grpo
         else:
-            out = _from_leaves(trees, lambda r, g, local, _: tree_grpo(r, local, g), self.shared_prefix)
-        if self.branch_weight:
-            out = [a * branch_weights(t.parents()) for a, t in zip(out, trees, strict=True)]
-        return out
+            prompt_fn, subtree_fn = (lambda r, g, *_: grpo(r, g)), grpo
+        prompt = _from_leaves(trees, prompt_fn, self.shared_prefix)
+        subtree = _from_leaves(trees, lambda r, _, local, __: subtree_fn(r, local), self.shared_prefix)
+        return [s + p * branch_weights(t.parents()) for p, s, t in zip(prompt, subtree, trees, strict=True)]
 
 
 @dataclass(frozen=True)

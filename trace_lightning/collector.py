@@ -37,7 +37,7 @@ from trace_lightning.iteration import Iteration, build_trees
 from trace_lightning.predictor import PredictorFit, PrefixScorer
 from trace_lightning.predictor.calibration import PlattCalibration
 from trace_lightning.predictor.online import IterationScorer, refit
-from trace_lightning.pricing import FlipRates, Flips, signal_leaves
+from trace_lightning.pricing import FlipRates, Flips
 from trace_lightning.report import IterationReport
 from trace_lightning.runner import EpisodeLimits, ReActRunner
 from trace_lightning.selection import RootQuality, Selection
@@ -348,7 +348,7 @@ class RolloutCollector:
     def _price(self, result: Iteration) -> Flips:
         """Teach priced Stage 2 what this iteration's continuations and roots earned (`FlipRates`)."""
         assert self.flips is not None
-        return self.flips.observe(result.trees, signal_leaves(result.trees), result.ledger.tokens["bare"])
+        return self.flips.observe(result.trees, self.flips.signal(result.trees), result.ledger.tokens["bare"])
 
     def synced_engine(self, module: Learner) -> GenerationEngine:
         """The engine, started and brought to the module's current weights: what `evaluator` plays on."""

@@ -19,7 +19,12 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
     continuation and the bare rollout it contrasts with); a root group earns its leaves when mixed;
   * the exchange rate is what roots earn: leaves of mixed bare groups per bare token, on this
     iteration's bare rollouts and the decayed record of earlier ones (`FlipRates.root_rate`), so a
-    continuation's t_c tokens could have earned rate * t_c.
+    continuation's t_c tokens could have earned rate * t_c;
+  * `Pricing.worth="tokens"` counts both sides in tokens that get a contrast instead of leaves: a flip
+    at c is worth FLIP_WORTH * t_c (the continuation's tokens and the bare rollout's after c), a root
+    group the tokens of its rollouts when mixed. A continuation then pays when FLIP_WORTH f_c beats the
+    share of root tokens that mix, whatever its length: in leaves, a short last turn (a flip there
+    contrasts a few answer tokens) looks as valuable as a whole mixed rollout at a fraction of its cost.
 
 `solve_priced` takes the continuations whose expected worth beats what their tokens earn as roots; every
 continuation it does not take goes back to Stage 1 as more root groups (iteration.py). A decided
@@ -52,8 +57,11 @@ class Pricing:
     decay: float = 0.9
     max_turns_left: int = 3  # buckets: 1, 2, ..., max_turns_left or more turns left after the prefix
     probe: int = 2
+    worth: str = "leaves"  # what a learning signal is counted in: "leaves" or "tokens" (see `flip_worth`)
 
     def __post_init__(self) -> None:
+        if self.worth not in WORTH:
+            raise ValueError(f"allocator.pricing.worth={self.worth!r}: use one of {list(WORTH)}")
         if not 0.0 < self.flip_prior < 1.0 or self.prior_strength <= 0:
             raise ValueError(
                 f"allocator.pricing.flip_prior={self.flip_prior} must be in (0, 1) and prior_strength="
@@ -66,6 +74,7 @@ class Pricing:
             )
 
 
+WORTH = ("leaves", "tokens")
 Bucket = tuple[int, bool]  # (turns the bare rollout had left after the prefix, capped; its success)
 
 
@@ -93,7 +102,7 @@ class FlipRates:
 
     pricing: Pricing = field(default_factory=Pricing)
     counts: dict[Bucket, tuple[float, float]] = field(default_factory=dict)  # bucket -> (flips, tries)
-    roots: tuple[float, float] = (0.0, 0.0)  # decayed (leaves of mixed bare groups, bare tokens)
+    roots: tuple[float, float] = (0.0, 0.0)  # decayed (what mixed bare groups earned, bare tokens)
 
     def posterior(self, bucket: Bucket) -> tuple[float, float]:
         """Beta(a, b) of a bucket's flip rate: its counts, with a prior of `prior_strength` continuations
@@ -110,10 +119,22 @@ class FlipRates:
         return a / (a + b)
 
     def root_rate(self, signal: float = 0.0, tokens: float = 0.0) -> float | None:
-        """Leaves of mixed bare groups per bare token, over the decayed record and `signal` such leaves in
-        `tokens` more bare tokens (this iteration's so far); None before any bare token was seen."""
+        """What mixed bare groups earn per bare token (`signal`'s unit), over the decayed record and `signal`
+        more in `tokens` more bare tokens (this iteration's so far); None before any bare token was seen."""
         total = self.roots[1] + tokens
         return (self.roots[0] + signal) / total if total > 0 else None
+
+    def flip_worth(self, tokens: np.ndarray) -> np.ndarray:
+        """What one flip earns at candidates costing `tokens` [C], in the unit of `signal`: FLIP_WORTH
+        leaves, or under `worth="tokens"` the FLIP_WORTH * t_c tokens it gives a contrast to (the
+        continuation and the bare rollout's own tokens after the prefix). Counted in tokens, a flip after
+        the last turn is worth as little as the turn is long, so a cheap continuation is no bargain."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return FLIP_WORTH * tokens if self.pricing.worth == "tokens" else np.full(len(tokens), FLIP_WORTH)
+
+    def signal(self, trees: Sequence[RolloutTree]) -> int:
+        """What root groups earned, in `flip_worth`'s unit: `signal_leaves`, or the tokens of those leaves."""
+        return signal_tokens(trees) if self.pricing.worth == "tokens" else signal_leaves(trees)
 
     def bucket(self, turns_left: int, success: bool) -> Bucket:
         return (min(max(turns_left, 1), self.pricing.max_turns_left), bool(success))
@@ -137,12 +158,13 @@ class FlipRates:
                 out.append(PricedCandidate(n, bucket, max(int(after[i + 1]), 1), flip))
         return out
 
-    def observe(self, trees: Sequence[RolloutTree], signal_leaves: int, bare_tokens: int) -> Flips:
+    def observe(self, trees: Sequence[RolloutTree], signal: int, bare_tokens: int) -> Flips:
         """Fade the old counts, then count this iteration's continuations (a flip: the continuation's
-        outcome differs from the bare rollout through its start prefix) and the roots' yield."""
+        outcome differs from the bare rollout through its start prefix) and the roots' yield (`signal`, in
+        the unit of `FlipRates.signal`, over `bare_tokens`)."""
         d = self.pricing.decay
         self.counts = {b: (f * d, n * d) for b, (f, n) in self.counts.items()}
-        self.roots = (self.roots[0] * d + signal_leaves, self.roots[1] * d + bare_tokens)
+        self.roots = (self.roots[0] * d + signal, self.roots[1] * d + bare_tokens)
         by_depth: dict[int, list[int]] = {}
         for tree in trees:
             for start, turns_left, won, flipped in continuation_outcomes(tree):
@@ -199,16 +221,32 @@ def signal_leaves(trees: Sequence[RolloutTree]) -> int:
     return sum(len(won) for won in groups if 0 < won.sum() < len(won))
 
 
+def signal_tokens(trees: Sequence[RolloutTree]) -> int:
+    """The generated tokens of the bare rollouts in mixed bare groups (`signal_leaves`, counted in tokens)."""
+    total = 0
+    for tree in trees:
+        won = bare_outcomes(tree)
+        if 0 < won.sum() < len(won):
+            total += sum(len(n.action_ids) for n in tree.nodes if n.stage == "bare")
+    return total
+
+
 def solve_priced(
-    flip: np.ndarray, tokens: np.ndarray, budget: int, rate: float | None, start: np.ndarray | None = None
+    flip: np.ndarray,
+    tokens: np.ndarray,
+    budget: int,
+    rate: float | None,
+    start: np.ndarray | None = None,
+    worth: np.ndarray | None = None,
 ) -> np.ndarray:
     """Continuations per candidate [C], at most `budget` in all (`start` [C], e.g. the probe's, counted
     in and kept), maximising
-        FLIP_WORTH * sum_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
-    the leaves with a learning signal that flips create minus what the same tokens earn as root groups
-    (`rate`: such leaves per token; None before any measurement: 0). The k-th continuation at c nets
-    FLIP_WORTH f_c (1 - f_c)^(k-1) - rate t_c, which falls with k, so taking the best positive net
-    value while the budget lasts is exact. Ties go to the lower index.
+        sum_c w_c [1 - (1 - f_c)^k_c]  -  rate * sum_c k_c t_c,
+    the learning signal that flips create (`worth` w [C] per flip, default FLIP_WORTH leaves) minus what
+    the same tokens earn as root groups (`rate`: signal per token, in w's unit; None before any
+    measurement: 0). The k-th continuation at c nets w_c f_c (1 - f_c)^(k-1) - rate t_c, which falls
+    with k, so taking the best positive net value while the budget lasts is exact. Ties go to the lower
+    index.
 
     Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.04 -> [2, 0] (nets 1 - 0.4 = 0.6, then
     0.1 at candidate 0, then 0.25 - 0.4 < 0; candidate 1 never flips)."""
@@ -216,9 +254,10 @@ def solve_priced(
         np.zeros(len(flip), dtype=np.int64) if start is None else np.asarray(start, dtype=np.int64).copy()
     )
     price = 0.0 if rate is None else rate
+    w = np.full(len(flip), FLIP_WORTH) if worth is None else np.asarray(worth, dtype=np.float64)  # [C]
     heap = [
-        (-(FLIP_WORTH * float(f) * (1.0 - float(f)) ** int(k) - price * float(t)), c)
-        for c, (f, t, k) in enumerate(zip(flip, tokens, counts, strict=True))
+        (-(float(wc) * float(f) * (1.0 - float(f)) ** int(k) - price * float(t)), c)
+        for c, (wc, f, t, k) in enumerate(zip(w, flip, tokens, counts, strict=True))
     ]
     heapq.heapify(heap)
     while heap and counts.sum() < budget:
@@ -227,7 +266,7 @@ def solve_priced(
             break
         counts[c] += 1
         f = float(flip[c])
-        heapq.heappush(heap, (-(FLIP_WORTH * f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
+        heapq.heappush(heap, (-(float(w[c]) * f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
     return counts
 
 
@@ -240,13 +279,20 @@ def probe(n_candidates: int, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def fill_best(
-    flip: np.ndarray, tokens: np.ndarray, counts: np.ndarray, extra: int, rate: float | None
+    flip: np.ndarray,
+    tokens: np.ndarray,
+    counts: np.ndarray,
+    extra: int,
+    rate: float | None,
+    worth: np.ndarray | None = None,
 ) -> np.ndarray:
     """`extra` more continuations on top of `counts`, each at the best remaining net value even when it
-    is negative (leaves that cannot form a whole root group must still be spent)."""
+    is negative (leaves that cannot form a whole root group must still be spent); `worth` as in
+    `solve_priced`."""
     counts = counts.copy()
     price = 0.0 if rate is None else rate
+    w = np.full(len(flip), FLIP_WORTH) if worth is None else np.asarray(worth, dtype=np.float64)  # [C]
     for _ in range(extra):
-        net = FLIP_WORTH * flip * (1.0 - flip) ** counts - price * tokens  # [C]
+        net = w * flip * (1.0 - flip) ** counts - price * tokens  # [C]
         counts[int(np.argmax(net))] += 1
     return counts
