@@ -192,3 +192,35 @@ def test_budget_by_rate_cell_spread_by_hand():
     got = cell_spread(probes, cell)
     assert got["top_cell_share"] == pytest.approx((1.0 + 0.5) / 2)
     assert got["effective_cells"] == pytest.approx((1.0 + 2.0) / 2)  # exp(0) and exp(log 2)
+
+
+def test_replay_pricing_by_hand(tmp_path):
+    """One saved iteration, priced at the prior (flip rate 0.05 everywhere): two bare rollouts of turns of
+    10, 10 and 2 tokens, one won and one lost, 44 bare tokens in all; N = 2 gives a budget of 4."""
+    from trace_lightning.tree import RolloutTree
+
+    tree = RolloutTree(0, prompt_ids=[7])
+    for won in (1.0, 0.0):
+        a = tree.add_turn(0, "bare", [1] * 10, [2])
+        b = tree.add_turn(a, "bare", [1] * 10, [2])
+        tree.finish(tree.add_turn(b, "bare", [1] * 2, []), won, "answer")
+    tree.finish(tree.add_turn(1, "expand", [1] * 12, []), 0.0, "answer")  # the run's one continuation: a flip
+    saved = {"iteration": 0, "ledger": {"tokens": {"bare": 44}}, "trees": [tree.to_dict()]}
+    trees_dir = tmp_path / "run" / "artifacts" / "trees"
+    trees_dir.mkdir(parents=True)
+    (trees_dir / "iteration_0000.json").write_text(json.dumps(saved))
+    out = tmp_path / "replay.json"
+    benchmark("replay_pricing.py", str(tmp_path / "run"), "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    leaves, tokens = rows["leaves"][0], rows["tokens"][0]
+    # leaves: the mixed group earns 2 leaves in 44 tokens (rate 1/22). A 2-token last turn nets
+    # 2 * 0.05 - 2/22 = 0.009, then 0.095 - 0.091 > 0, then 0.090 - 0.091 < 0: two at each of the two;
+    # the 12-token prefixes net 0.1 - 12/22 < 0
+    assert leaves["rate"] == pytest.approx(1 / 22)
+    assert leaves["bought"] == 4 and leaves["bought_by_bucket"] == {"1 left, won": 2, "1 left, lost": 2}
+    # tokens: all 44 bare tokens sit in the mixed group (rate 1); a flip is worth 2 * 0.05 * t < t
+    assert tokens["rate"] == pytest.approx(1.0) and tokens["bought"] == 0
+    assert (leaves["budget"], leaves["run_continuations"], leaves["run_flips"]) == (4, 1, 1)
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        benchmark("replay_pricing.py", str(tmp_path))
+    assert "no saved trees" in failed.value.stderr
