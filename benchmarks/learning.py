@@ -31,7 +31,8 @@ trace_ungated_head (steered every iteration by the predictor's per-prompt estima
 trace_head_gate0 (the same behind a skill gate at 0) with trace_head_gate0_n0 (Stage 1 alone) and
 trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0; trace_split and
 trace_head_gate0_split (the turns sampled from one prefix share one trajectory's prompt-level credit),
-trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves);
+trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), trace_head_gate0_sure
+(each bucket priced one posterior std below its mean flip rate);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -126,6 +127,7 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     shipped = instantiate(args.experiment["allocator"])
     pricing = args.experiment["allocator"]["pricing"]
     in_tokens = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"worth": "tokens"}})
+    sure = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"confidence": 1.0}})
     stage1 = {k: args.experiment["allocator"][k] for k in ("min_group", "max_per_prompt", "breadth")}
     selection = dict(args.experiment["selection"])
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
@@ -184,6 +186,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         ),
         # the head gated at 0 with Stage 2 priced in tokens that get a contrast instead of leaves
         "trace_head_gate0_tokens": Method(in_tokens, leaves, selection | head_gate0),
+        # ... and with each bucket priced one posterior std below its mean flip rate
+        "trace_head_gate0_sure": Method(sure, leaves, selection | head_gate0),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -722,6 +726,7 @@ MAIN = [
     "trace_split",
     "trace_head_gate0_split",
     "trace_head_gate0_tokens",
+    "trace_head_gate0_sure",
 ]
 
 

@@ -60,6 +60,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head_gate0_split": [*HEAD_GATE0, "advantage.branch_weight=true"],
     # the head gated at 0 with Stage 2 priced in tokens that get a contrast, not leaves (pricing.py)
     "trace_head_gate0_tokens": [*HEAD_GATE0, "allocator.pricing.worth=tokens"],
+    # ... and with each bucket priced one posterior std below its mean flip rate
+    "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.confidence=1.0"],
 }
 
 

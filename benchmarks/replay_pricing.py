@@ -1,10 +1,11 @@
 """What priced Stage 2 buys, replayed on a finished run's trees under each way of counting worth.
 
     python benchmarks/replay_pricing.py outputs/real_task/hard_trace_head_gate0_seed0
-    python benchmarks/replay_pricing.py <run_dir> --worth leaves tokens --out replay.json
+    python benchmarks/replay_pricing.py <run_dir> --worth leaves tokens --confidence 0 1 --out replay.json
 
 No model and no sampling: it reads the trees a run saved every iteration (`<run_dir>/artifacts/trees/
-iteration_*.json`, written by the trees callback), and for each `allocator.pricing.worth` walks them in
+iteration_*.json`, written by the trees callback), and for each `allocator.pricing.worth` (and each
+`allocator.pricing.confidence`) walks them in
 order as the collector does: price the iteration's bare prefixes on the flip table learned so far
 (`FlipRates.candidates`), solve the iteration's m * N continuations (`pricing.solve_priced`) against the
 roots' exchange rate, then teach the table what the run's own continuations and roots did
@@ -34,9 +35,12 @@ from trace_lightning.pricing import WORTH, FlipRates, Pricing, continuation_outc
 from trace_lightning.tree import RolloutTree
 
 
-def replay(iterations: list[dict[str, Any]], worth: str, expansion: int) -> list[dict[str, Any]]:
-    """One row per saved iteration: what `worth` pricing buys there, and what the run did."""
-    rates = FlipRates(Pricing(worth=worth))
+def replay(
+    iterations: list[dict[str, Any]], worth: str, expansion: int, confidence: float = 0.0
+) -> list[dict[str, Any]]:
+    """One row per saved iteration: what pricing by `worth` (at `confidence`) buys there, and what the
+    run did."""
+    rates = FlipRates(Pricing(worth=worth, confidence=confidence))
     rows = []
     for saved in iterations:
         trees = [RolloutTree.from_dict(t) for t in saved["trees"]]
@@ -79,6 +83,9 @@ def main() -> None:
     parser.add_argument(
         "--expansion", type=int, default=2, help="N: continuations per bare rollout (default 2)"
     )
+    parser.add_argument(
+        "--confidence", type=float, nargs="+", default=[0.0], help="allocator.pricing.confidence values"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     paths = sorted((args.run_dir / "artifacts" / "trees").glob("iteration_*.json"))
@@ -88,7 +95,11 @@ def main() -> None:
             "trees callback (callbacks=default) and the path of its run directory"
         )
     iterations = [json.loads(p.read_text()) for p in paths]
-    result = {w: replay(iterations, w, args.expansion) for w in args.worth}
+    result = {  # keyed by the rule: "leaves", "tokens", or "leaves z=1" with a confidence
+        w + (f" z={z:g}" if z else ""): replay(iterations, w, args.expansion, z)
+        for w in args.worth
+        for z in args.confidence
+    }
     for w, rows in result.items():
         print(f"\nworth={w}: continuations bought of m * N, by bucket; the run's continuations and flips")
         for r in rows:

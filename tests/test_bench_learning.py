@@ -33,6 +33,7 @@ SAME_BUDGET = [
     "trace_split",
     "trace_head_gate0_split",
     "trace_head_gate0_tokens",
+    "trace_head_gate0_sure",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",

@@ -187,6 +187,21 @@ def test_posterior_means_start_pessimistic_and_follow_the_counts():
     assert rates.rate((2, False)) == pytest.approx(pooled)  # unmeasured: the pooled rate
 
 
+def test_confidence_prices_a_bucket_below_its_mean_by_its_posterior_spread():
+    # one flip in 2 tries, nothing else measured: pooled (1 + 4 * 0.05) / (2 + 4) = 0.2, posterior
+    # Beta(1 + 0.8, 1 + 3.2) = Beta(1.8, 4.2): mean 0.3, sd sqrt(1.8 * 4.2 / (36 * 7)) = 0.1732
+    sure = FlipRates(Pricing(confidence=1.0), counts={(1, True): (1.0, 2.0)})
+    assert sure.price((1, True)) == pytest.approx(0.3 - 0.17321, abs=1e-5)
+    assert FlipRates(Pricing(), counts={(1, True): (1.0, 2.0)}).price((1, True)) == pytest.approx(0.3)
+    # 300 flips in 1,000 tries: the bound keeps nearly the mean (sd about 0.0144)
+    many = FlipRates(Pricing(confidence=1.0), counts={(1, True): (300.0, 1000.0)})
+    assert many.rate((1, True)) - many.price((1, True)) == pytest.approx(0.0144, abs=2e-4)
+    assert FlipRates(Pricing(confidence=9.0)).price((1, True)) == 0.0  # floored at 0
+    assert sure.candidates(_hand_tree())[1].flip == pytest.approx(sure.price((1, True)))
+    with pytest.raises(ValueError, match="allocator.pricing.confidence"):
+        Pricing(confidence=-1.0)
+
+
 def test_fill_best_spends_every_extra_leaf_at_the_best_net():
     # nets: 2 * 0.5 - 0.1 * 10 = 0 and 2 * 0.2 - 0.1 * 2 = 0.2, then 2 * 0.16 - 0.2 = 0.12
     got = fill_best(np.array([0.5, 0.2]), np.array([10.0, 2.0]), np.array([0, 0]), 2, 0.1)

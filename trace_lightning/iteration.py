@@ -194,7 +194,7 @@ def _expand_priced(
     without one go to the best remaining prefixes. Bare rollouts per spare candidate [S]."""
     assert allocator.pricing is not None
     budget = sum(len(t.leaves()) for t in trees) * allocator.expansion
-    cands = [(t, c) for t in trees for c in rates.candidates(t)]  # priced at the posterior means
+    cands = [(t, c) for t in trees for c in rates.candidates(t)]  # priced at `FlipRates.price`
     flip = np.array([c.flip for _, c in cands], dtype=np.float64)  # [C]
     tokens = np.array([c.tokens for _, c in cands], dtype=np.float64)  # [C]
     for t, c in cands:

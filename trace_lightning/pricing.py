@@ -10,7 +10,8 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
   * its flip probability f_c (P(a continuation from c ends with the other outcome)) comes from flip
     rates measured online, by the number of turns the bare rollout still had after c and by r
     (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate, which starts at a pessimistic
-    prior): the posterior mean, so Stage 2 spends only where flips were measured to pay;
+    prior): the posterior mean, or with `Pricing.confidence` = z the mean less z posterior standard
+    deviations, so Stage 2 spends only where flips were measured to pay;
   * the measurement itself is a fixed, small spend: `probe` continuations an iteration at candidates
     drawn uniformly, whatever their price (an unbiased sample of every bucket, and the only Stage 2
     spend while no bucket has earned more);
@@ -35,6 +36,7 @@ GRPO plus the probe.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,10 +60,15 @@ class Pricing:
     max_turns_left: int = 3  # buckets: 1, 2, ..., max_turns_left or more turns left after the prefix
     probe: int = 2
     worth: str = "leaves"  # what a learning signal is counted in: "leaves" or "tokens" (see `flip_worth`)
+    confidence: float = 0.0  # z: a bucket priced z posterior std below its mean flip rate (`FlipRates.price`)
 
     def __post_init__(self) -> None:
         if self.worth not in WORTH:
             raise ValueError(f"allocator.pricing.worth={self.worth!r}: use one of {list(WORTH)}")
+        if self.confidence < 0:
+            raise ValueError(
+                f"allocator.pricing.confidence={self.confidence} must be >= 0 (0: the posterior mean)"
+            )
         if not 0.0 < self.flip_prior < 1.0 or self.prior_strength <= 0:
             raise ValueError(
                 f"allocator.pricing.flip_prior={self.flip_prior} must be in (0, 1) and prior_strength="
@@ -118,6 +125,15 @@ class FlipRates:
         a, b = self.posterior(bucket)
         return a / (a + b)
 
+    def price(self, bucket: Bucket) -> float:
+        """The flip rate Stage 2 prices a bucket at: its posterior mean less `confidence` posterior standard
+        deviations, floored at 0. A bucket spends beyond the probe only once its flips are measured well
+        enough to pay at that lower rate: one flip in two tries moves the mean a lot and the bound little,
+        while a rate measured over many continuations keeps nearly its mean."""
+        a, b = self.posterior(bucket)
+        sd = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+        return max(0.0, a / (a + b) - self.pricing.confidence * sd)
+
     def root_rate(self, signal: float = 0.0, tokens: float = 0.0) -> float | None:
         """What mixed bare groups earn per bare token (`signal`'s unit), over the decayed record and `signal`
         more in `tokens` more bare tokens (this iteration's so far); None before any bare token was seen."""
@@ -143,7 +159,7 @@ class FlipRates:
         self, tree: RolloutTree, flips: dict[Bucket, float] | None = None
     ) -> list[PricedCandidate]:
         """The non-leaf turn prefixes of a tree's bare rollouts, priced at `flips` (one rate per bucket;
-        None: the posterior means)."""
+        None: `price`, the posterior means by default)."""
         out = []
         for leaf in tree.leaves():
             if tree.nodes[leaf].stage != "bare":
@@ -154,7 +170,7 @@ class FlipRates:
             ]  # [T] tokens from n on
             for i, n in enumerate(path[:-1]):
                 bucket = self.bucket(len(path) - 1 - i, won)
-                flip = self.rate(bucket) if flips is None else flips[bucket]
+                flip = self.price(bucket) if flips is None else flips[bucket]
                 out.append(PricedCandidate(n, bucket, max(int(after[i + 1]), 1), flip))
         return out
 
