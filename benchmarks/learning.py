@@ -32,7 +32,8 @@ trace_head_gate0 (the same behind a skill gate at 0) with trace_head_gate0_n0 (S
 trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0; trace_split and
 trace_head_gate0_split (the turns sampled from one prefix share one trajectory's prompt-level credit),
 trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), trace_head_gate0_sure
-(each bucket priced one posterior std below its mean flip rate);
+(each bucket priced one posterior std below its mean flip rate), trace_head_gate0_grow (each bucket buys
+at most its measured continuations) and trace_head_gate0_sure_grow (both);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -128,6 +129,10 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     pricing = args.experiment["allocator"]["pricing"]
     in_tokens = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"worth": "tokens"}})
     sure = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"confidence": 1.0}})
+    grow = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"growth": 1.0}})
+    sure_grow = instantiate(
+        args.experiment["allocator"] | {"pricing": pricing | {"confidence": 1.0, "growth": 1.0}}
+    )
     stage1 = {k: args.experiment["allocator"][k] for k in ("min_group", "max_per_prompt", "breadth")}
     selection = dict(args.experiment["selection"])
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
@@ -188,6 +193,9 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_head_gate0_tokens": Method(in_tokens, leaves, selection | head_gate0),
         # ... and with each bucket priced one posterior std below its mean flip rate
         "trace_head_gate0_sure": Method(sure, leaves, selection | head_gate0),
+        # ... with each bucket buying at most what it has measured, and with both rules
+        "trace_head_gate0_grow": Method(grow, leaves, selection | head_gate0),
+        "trace_head_gate0_sure_grow": Method(sure_grow, leaves, selection | head_gate0),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -727,6 +735,8 @@ MAIN = [
     "trace_head_gate0_split",
     "trace_head_gate0_tokens",
     "trace_head_gate0_sure",
+    "trace_head_gate0_grow",
+    "trace_head_gate0_sure_grow",
 ]
 
 

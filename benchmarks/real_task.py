@@ -62,6 +62,12 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head_gate0_tokens": [*HEAD_GATE0, "allocator.pricing.worth=tokens"],
     # ... and with each bucket priced one posterior std below its mean flip rate
     "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.confidence=1.0"],
+    # ... and each bucket buying at most what it has measured
+    "trace_head_gate0_sure_grow": [
+        *HEAD_GATE0,
+        "allocator.pricing.confidence=1.0",
+        "allocator.pricing.growth=1.0",
+    ],
 }
 
 

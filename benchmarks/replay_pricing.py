@@ -5,7 +5,7 @@
 
 No model and no sampling: it reads the trees a run saved every iteration (`<run_dir>/artifacts/trees/
 iteration_*.json`, written by the trees callback), and for each `allocator.pricing.worth` (and each
-`allocator.pricing.confidence`) walks them in
+`allocator.pricing.confidence` and `growth`) walks them in
 order as the collector does: price the iteration's bare prefixes on the flip table learned so far
 (`FlipRates.candidates`), solve the iteration's m * N continuations (`pricing.solve_priced`) against the
 roots' exchange rate, then teach the table what the run's own continuations and roots did
@@ -29,28 +29,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from trace_lightning.pricing import WORTH, FlipRates, Pricing, continuation_outcomes, solve_priced
+from trace_lightning.pricing import WORTH, FlipRates, Pricing, continuation_outcomes
 from trace_lightning.tree import RolloutTree
 
 
-def replay(
-    iterations: list[dict[str, Any]], worth: str, expansion: int, confidence: float = 0.0
-) -> list[dict[str, Any]]:
-    """One row per saved iteration: what pricing by `worth` (at `confidence`) buys there, and what the
-    run did."""
-    rates = FlipRates(Pricing(worth=worth, confidence=confidence))
+def replay(iterations: list[dict[str, Any]], pricing: Pricing, expansion: int) -> list[dict[str, Any]]:
+    """One row per saved iteration: what Stage 2 priced by `pricing` buys there, and what the run did."""
+    rates = FlipRates(pricing)
     rows = []
     for saved in iterations:
         trees = [RolloutTree.from_dict(t) for t in saved["trees"]]
         bare_tokens = int(saved["ledger"]["tokens"]["bare"])
         cands = [c for t in trees for c in rates.candidates(t)]
-        flip = np.array([c.flip for c in cands], dtype=np.float64)  # [C]
-        tokens = np.array([c.tokens for c in cands], dtype=np.float64)  # [C]
         bare = sum(1 for t in trees for n in t.nodes if n.stage == "bare" and n.reward is not None)
         rate = rates.root_rate(rates.signal(trees), bare_tokens)
-        counts = solve_priced(flip, tokens, bare * expansion, rate, worth=rates.flip_worth(tokens))
+        counts = rates.buy(cands, bare * expansion, rate)
         buckets: dict[str, int] = {}
         for c, k in zip(cands, counts, strict=True):
             if k:
@@ -86,6 +79,9 @@ def main() -> None:
     parser.add_argument(
         "--confidence", type=float, nargs="+", default=[0.0], help="allocator.pricing.confidence values"
     )
+    parser.add_argument(
+        "--growth", type=float, nargs="+", default=[-1.0], help="allocator.pricing.growth values (-1: none)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     paths = sorted((args.run_dir / "artifacts" / "trees").glob("iteration_*.json"))
@@ -95,10 +91,13 @@ def main() -> None:
             "trees callback (callbacks=default) and the path of its run directory"
         )
     iterations = [json.loads(p.read_text()) for p in paths]
-    result = {  # keyed by the rule: "leaves", "tokens", or "leaves z=1" with a confidence
-        w + (f" z={z:g}" if z else ""): replay(iterations, w, args.expansion, z)
+    result = {  # keyed by the rule: "leaves", "tokens", "leaves z=1" with a confidence, " growth=1" ...
+        w + (f" z={z:g}" if z else "") + (f" growth={g:g}" if g >= 0 else ""): replay(
+            iterations, Pricing(worth=w, confidence=z, growth=g if g >= 0 else None), args.expansion
+        )
         for w in args.worth
         for z in args.confidence
+        for g in args.growth
     }
     for w, rows in result.items():
         print(f"\nworth={w}: continuations bought of m * N, by bucket; the run's continuations and flips")

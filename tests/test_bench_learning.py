@@ -34,6 +34,8 @@ SAME_BUDGET = [
     "trace_head_gate0_split",
     "trace_head_gate0_tokens",
     "trace_head_gate0_sure",
+    "trace_head_gate0_grow",
+    "trace_head_gate0_sure_grow",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",

@@ -13,6 +13,7 @@ from trace_lightning.envs.synthetic import make_tasks
 from trace_lightning.iteration import build_trees
 from trace_lightning.pricing import (
     FlipRates,
+    PricedCandidate,
     Pricing,
     continuation_outcomes,
     fill_best,
@@ -200,6 +201,44 @@ def test_confidence_prices_a_bucket_below_its_mean_by_its_posterior_spread():
     assert sure.candidates(_hand_tree())[1].flip == pytest.approx(sure.price((1, True)))
     with pytest.raises(ValueError, match="allocator.pricing.confidence"):
         Pricing(confidence=-1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    f=st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3),
+    t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
+    groups=st.lists(st.integers(0, 1), min_size=3, max_size=3),
+    caps=st.lists(st.integers(0, 3), min_size=2, max_size=2),
+    budget=st.integers(0, 4),
+    rate=st.floats(0.0, 0.2),
+)
+def test_solve_priced_within_group_caps_is_the_brute_force_optimum(f, t, groups, caps, budget, rate):
+    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate, groups=np.array(groups), caps=caps)
+    feasible = [
+        c
+        for c in itertools.product(range(budget + 1), repeat=3)
+        if sum(c) <= budget and all(sum(c[i] for i in range(3) if groups[i] == g) <= caps[g] for g in (0, 1))
+    ]
+    assert tuple(k) in feasible
+    assert _objective(k, f, t, rate) == pytest.approx(
+        max(_objective(c, f, t, rate) for c in feasible), abs=1e-9
+    )
+
+
+def test_growth_caps_a_bucket_at_its_measured_continuations():
+    rates = FlipRates(Pricing(growth=1.5), counts={(1, True): (1.0, 2.0), (2, False): (0.0, 0.7)})
+    assert rates.caps([(1, True), (2, False), (3, True)]).tolist() == [3, 1, 0]  # floor(1.5 n)
+    assert FlipRates(Pricing()).caps([(1, True)]) is None
+    with pytest.raises(ValueError, match="allocator.pricing.growth"):
+        Pricing(growth=-1.0)
+    # one flip in two tries prices (1, True) at 0.286 (pooled (1 + 0.2) / (2.7 + 4), then (1 + 4 pooled)
+    # / (2 + 4)); at 0.01 leaves per token every 8-token candidate pays 2 f - 0.08 > 0, and a growth of 1
+    # takes two of them (two measured continuations)
+    assert rates.price((1, True)) == pytest.approx((1 + 4 * 1.2 / 6.7) / 6)
+    cands = [PricedCandidate(i, (1, True), 8, rates.price((1, True))) for i in range(10)]
+    capped = FlipRates(Pricing(growth=1.0), counts=rates.counts)
+    assert capped.buy(cands, 20, 0.01).tolist() == [1, 1] + [0] * 8
+    assert FlipRates(Pricing(), counts=rates.counts).buy(cands, 20, 0.01).sum() == 20
 
 
 def test_fill_best_spends_every_extra_leaf_at_the_best_net():

@@ -18,7 +18,7 @@ import numpy as np
 
 from trace_lightning.allocation import PrefixCandidate, TreeAllocator
 from trace_lightning.budget import Budget, BudgetLedger
-from trace_lightning.pricing import FlipRates, fill_best, probe, solve_priced
+from trace_lightning.pricing import FlipRates, fill_best, probe
 from trace_lightning.tree import RolloutTree, Stage, backup
 
 
@@ -189,7 +189,8 @@ def _expand_priced(
 ) -> np.ndarray:
     """Stage 2 priced in tokens over the whole iteration (pricing.py): of the m * N continuations the
     budget holds, the probe's (uniform candidates) and those whose expected flips beat what their tokens
-    earn as roots run; the rest go back to Stage 1 (`TreeAllocator.give_back`) over the `spare` pool
+    earn as roots run (`FlipRates.buy`, each bucket within what it has measured where `growth` caps it);
+    the rest go back to Stage 1 (`TreeAllocator.give_back`) over the `spare` pool
     candidates it left out, in the same pass. Leaves that Stage 1 cannot split grow its last group, or
     without one go to the best remaining prefixes. Bare rollouts per spare candidate [S]."""
     assert allocator.pricing is not None
@@ -199,17 +200,16 @@ def _expand_priced(
     tokens = np.array([c.tokens for _, c in cands], dtype=np.float64)  # [C]
     for t, c in cands:
         t.nodes[c.node_id].predicted = 1.0 - c.flip if c.bucket[1] else c.flip  # V̂ the price implies
-    worth = rates.flip_worth(tokens)  # [C] what a flip earns, in the unit roots earn in
     rate = rates.root_rate(rates.signal(trees), ledger.tokens["bare"])  # with this iteration's roots
     measured = probe(len(cands), min(allocator.pricing.probe, budget), rng)  # [C]
-    counts = solve_priced(flip, tokens, budget, rate, start=measured, worth=worth)  # [C]
+    counts = rates.buy([c for _, c in cands], budget, rate, measured)  # [C]
     back = allocator.give_back(spare_predicted, budget - int(counts.sum()), rng, steer)  # [S]
     left = budget - int(counts.sum()) - int(back.sum())
     if left and back.sum():  # leaves Stage 1 could not split: the last group given back grows
         back[np.flatnonzero(back)[-1]] += left
         left = 0
     if left and cands:  # no group given back: the best remaining prefixes, even at a loss
-        counts, left = fill_best(flip, tokens, counts, left, rate, worth), 0
+        counts, left = fill_best(flip, tokens, counts, left, rate, rates.flip_worth(tokens)), 0
     branches = [Branch(t, c.node_id, int(k), "expand") for (t, c), k in zip(cands, counts, strict=True) if k]
     if left:  # no prefix and no spare candidate: more rollouts of the first prompt, as `_expand` does
         branches.append(Branch(trees[0], 0, left, "expand"))

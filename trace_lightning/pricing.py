@@ -61,10 +61,13 @@ class Pricing:
     probe: int = 2
     worth: str = "leaves"  # what a learning signal is counted in: "leaves" or "tokens" (see `flip_worth`)
     confidence: float = 0.0  # z: a bucket priced z posterior std below its mean flip rate (`FlipRates.price`)
+    growth: float | None = None  # a bucket buys at most growth x its measured continuations (None: no cap)
 
     def __post_init__(self) -> None:
         if self.worth not in WORTH:
             raise ValueError(f"allocator.pricing.worth={self.worth!r}: use one of {list(WORTH)}")
+        if self.growth is not None and self.growth < 0:
+            raise ValueError(f"allocator.pricing.growth={self.growth} must be >= 0, or null for no cap")
         if self.confidence < 0:
             raise ValueError(
                 f"allocator.pricing.confidence={self.confidence} must be >= 0 (0: the posterior mean)"
@@ -133,6 +136,32 @@ class FlipRates:
         a, b = self.posterior(bucket)
         sd = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
         return max(0.0, a / (a + b) - self.pricing.confidence * sd)
+
+    def caps(self, buckets: Sequence[Bucket]) -> np.ndarray | None:
+        """Continuations each bucket may buy beyond the probe this iteration [len(buckets)]: `growth` times
+        its decayed count of measured continuations, rounded down (None without `growth`). Spend follows
+        evidence: a bucket that one lucky flip made look profitable buys a few more measurements, not the
+        iteration's whole m * N, and a bucket whose flips keep paying can grow its spend every iteration."""
+        if self.pricing.growth is None:
+            return None
+        tries = np.array([self.counts.get(b, (0.0, 0.0))[1] for b in buckets], dtype=np.float64)
+        return np.floor(self.pricing.growth * tries + 1e-9).astype(np.int64)
+
+    def buy(
+        self,
+        cands: Sequence[PricedCandidate],
+        budget: int,
+        rate: float | None,
+        start: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Continuations per candidate [C] (`solve_priced` at their prices, in `worth`'s unit, each bucket
+        within its `caps`), at most `budget` in all, `start` (the probe's) counted in."""
+        flip = np.array([c.flip for c in cands], dtype=np.float64)  # [C]
+        tokens = np.array([c.tokens for c in cands], dtype=np.float64)  # [C]
+        buckets = sorted({c.bucket for c in cands})
+        groups = np.array([buckets.index(c.bucket) for c in cands], dtype=np.int64)  # [C]
+        worth = self.flip_worth(tokens)
+        return solve_priced(flip, tokens, budget, rate, start, worth, groups, self.caps(buckets))
 
     def root_rate(self, signal: float = 0.0, tokens: float = 0.0) -> float | None:
         """What mixed bare groups earn per bare token (`signal`'s unit), over the decayed record and `signal`
@@ -254,6 +283,8 @@ def solve_priced(
     rate: float | None,
     start: np.ndarray | None = None,
     worth: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
+    caps: np.ndarray | None = None,
 ) -> np.ndarray:
     """Continuations per candidate [C], at most `budget` in all (`start` [C], e.g. the probe's, counted
     in and kept), maximising
@@ -261,8 +292,9 @@ def solve_priced(
     the learning signal that flips create (`worth` w [C] per flip, default FLIP_WORTH leaves) minus what
     the same tokens earn as root groups (`rate`: signal per token, in w's unit; None before any
     measurement: 0). The k-th continuation at c nets w_c f_c (1 - f_c)^(k-1) - rate t_c, which falls
-    with k, so taking the best positive net value while the budget lasts is exact. Ties go to the lower
-    index.
+    with k, so taking the best positive net value while the budget lasts is exact. With `groups` [C]
+    (group ids) and `caps` [G], the continuations taken beyond `start` in group g are at most caps[g];
+    nested capacity limits keep the greedy choice exact. Ties go to the lower index.
 
     Example: f = [0.5, 0.0], t = [10, 2], budget 3, rate 0.04 -> [2, 0] (nets 1 - 0.4 = 0.6, then
     0.1 at candidate 0, then 0.25 - 0.4 < 0; candidate 1 never flips)."""
@@ -276,10 +308,15 @@ def solve_priced(
         for c, (wc, f, t, k) in enumerate(zip(w, flip, tokens, counts, strict=True))
     ]
     heapq.heapify(heap)
+    room = None if caps is None else np.asarray(caps, dtype=np.int64).copy()  # [G] left in each group
     while heap and counts.sum() < budget:
         net, c = heapq.heappop(heap)
         if -net <= 0.0:
             break
+        if room is not None and groups is not None:
+            if room[groups[c]] <= 0:  # its group is full: c leaves the heap
+                continue
+            room[groups[c]] -= 1
         counts[c] += 1
         f = float(flip[c])
         heapq.heappush(heap, (-(float(w[c]) * f * (1.0 - f) ** counts[c] - price * float(tokens[c])), c))
