@@ -33,7 +33,8 @@ trace_head_gate0_bounded (bounded tree advantages), and trace_ungated_head_n0; t
 trace_head_gate0_split (the turns sampled from one prefix share one trajectory's prompt-level credit),
 trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), trace_head_gate0_sure
 (each bucket priced one posterior std below its mean flip rate), trace_head_gate0_grow (each bucket buys
-at most its measured continuations) and trace_head_gate0_sure_grow (both);
+at most its measured continuations), trace_head_gate0_sure_grow (both) and trace_sure_grow (both, on
+the shipped selection);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -196,6 +197,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # ... with each bucket buying at most what it has measured, and with both rules
         "trace_head_gate0_grow": Method(grow, leaves, selection | head_gate0),
         "trace_head_gate0_sure_grow": Method(sure_grow, leaves, selection | head_gate0),
+        # the shipped selection (pooled rates, gate 0.25) with both rules
+        "trace_sure_grow": Method(sure_grow, leaves, selection),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
@@ -737,6 +740,7 @@ MAIN = [
     "trace_head_gate0_sure",
     "trace_head_gate0_grow",
     "trace_head_gate0_sure_grow",
+    "trace_sure_grow",
 ]
 
 

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WARM_START = "outputs/warm_start/smollm2-math_tool/model"
 HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]
+SURE_GROW = ["allocator.pricing.confidence=1.0", "allocator.pricing.growth=1.0"]
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
     "trace": [],
     "grpo": ["allocator=uniform", "advantage=grpo"],
@@ -63,11 +64,9 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # ... and with each bucket priced one posterior std below its mean flip rate
     "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.confidence=1.0"],
     # ... and each bucket buying at most what it has measured
-    "trace_head_gate0_sure_grow": [
-        *HEAD_GATE0,
-        "allocator.pricing.confidence=1.0",
-        "allocator.pricing.growth=1.0",
-    ],
+    "trace_head_gate0_sure_grow": [*HEAD_GATE0, *SURE_GROW],
+    # the shipped selection (pooled rates, gate 0.25) with both rules
+    "trace_sure_grow": SURE_GROW,
 }
 
 

@@ -36,6 +36,7 @@ SAME_BUDGET = [
     "trace_head_gate0_sure",
     "trace_head_gate0_grow",
     "trace_head_gate0_sure_grow",
+    "trace_sure_grow",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
