@@ -12,6 +12,8 @@ cost tokens that more root rollouts could have used. Priced, each continuation m
     (`FlipRates`: decayed Beta counts, shrunk towards the pooled rate, which starts at a pessimistic
     prior): the posterior mean, or with `Pricing.confidence` = z the mean less z posterior standard
     deviations, so Stage 2 spends only where flips were measured to pay;
+  * with `Pricing.growth` = g a bucket buys at most g times its decayed count of measured continuations
+    an iteration (`FlipRates.caps`), so one lucky flip buys a few more measurements, not the iteration;
   * the measurement itself is a fixed, small spend: `probe` continuations an iteration at candidates
     drawn uniformly, whatever their price (an unbiased sample of every bucket, and the only Stage 2
     spend while no bucket has earned more);
