@@ -127,13 +127,13 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
     n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
     m = leaves // (1 + n)
     shipped = instantiate(args.experiment["allocator"])
-    pricing = args.experiment["allocator"]["pricing"]
-    in_tokens = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"worth": "tokens"}})
-    sure = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"confidence": 1.0}})
-    grow = instantiate(args.experiment["allocator"] | {"pricing": pricing | {"growth": 1.0}})
-    sure_grow = instantiate(
-        args.experiment["allocator"] | {"pricing": pricing | {"confidence": 1.0, "growth": 1.0}}
-    )
+
+    def priced(**changes: Any) -> Any:  # the shipped allocator with some of its pricing settings changed
+        allocator = args.experiment["allocator"]
+        return instantiate(allocator | {"pricing": allocator["pricing"] | changes})
+
+    in_tokens, sure, grow = priced(worth="tokens"), priced(confidence=1.0), priced(growth=1.0)
+    sure_grow = priced(confidence=1.0, growth=1.0)
     stage1 = {k: args.experiment["allocator"][k] for k in ("min_group", "max_per_prompt", "breadth")}
     selection = dict(args.experiment["selection"])
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
@@ -571,6 +571,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         info = warm["info"] | {"heldout_success": start["success"], **difficulty(spread["per_task"])}
         print(f"seed {seed}: warm start {info}", flush=True)
         path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
         earlier = json.loads(path.read_text())["runs"] if args.resume and path.exists() else []
         weights = warm["weights"]
         kept = {r["method"]: r for r in earlier}
@@ -581,7 +582,6 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
             run = kept.get(name) or train_run(name, method, model_dir, weights, envs, args, seed, start)
             runs.append(run)
             kept[name] = run  # each run is kept as soon as it ends, beside the file's other methods
-            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"seed": seed, "warm_start": info, "runs": list(kept.values())}))
     return {"seed": seed, "warm_start": info, "runs": runs, "seconds": time.perf_counter() - clock}
 

@@ -42,7 +42,8 @@ def replay(iterations: list[dict[str, Any]], pricing: Pricing, expansion: int) -
         bare_tokens = int(saved["ledger"]["tokens"]["bare"])
         cands = [c for t in trees for c in rates.candidates(t)]
         bare = sum(1 for t in trees for n in t.nodes if n.stage == "bare" and n.reward is not None)
-        rate = rates.root_rate(rates.signal(trees), bare_tokens)
+        signal = rates.signal(trees)
+        rate = rates.root_rate(signal, bare_tokens)
         counts = rates.buy(cands, bare * expansion, rate)
         buckets: dict[str, int] = {}
         for c, k in zip(cands, counts, strict=True):
@@ -61,7 +62,7 @@ def replay(iterations: list[dict[str, Any]], pricing: Pricing, expansion: int) -
                 "run_flips": sum(int(o[3]) for o in outcomes),
             }
         )
-        rates.observe(trees, rates.signal(trees), bare_tokens)
+        rates.observe(trees, signal, bare_tokens)
     return rows
 
 

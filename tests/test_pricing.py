@@ -43,32 +43,17 @@ def _objective(k, f, t, rate, w=None):
     f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
     t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
     budget=st.integers(0, 4),
-    rate=st.floats(0.0, 0.2),
-)
-def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate):
-    t = t[: len(f)]
-    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate)
-    assert k.sum() <= budget and (k >= 0).all()
-    best = max(
-        _objective(c, f, t, rate)
-        for c in itertools.product(range(budget + 1), repeat=len(f))
-        if sum(c) <= budget
-    )
-    assert _objective(k, f, t, rate) == pytest.approx(best, abs=1e-9)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    f=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
-    t=st.lists(st.integers(1, 20), min_size=3, max_size=3),
-    budget=st.integers(0, 4),
     rate=st.floats(0.0, 1.0),
+    in_tokens=st.booleans(),
 )
-def test_solve_priced_in_tokens_is_the_brute_force_optimum(f, t, budget, rate):
-    """worth="tokens": a flip at c is worth 2 t_c tokens with a contrast; the rate is in the same unit."""
+def test_solve_priced_is_the_brute_force_optimum(f, t, budget, rate, in_tokens):
+    """In leaves a flip is worth 2 (the default); in tokens (worth="tokens") 2 t_c, the rate in that unit."""
     t = t[: len(f)]
-    w = [2.0 * tc for tc in t]
-    k = solve_priced(np.array(f), np.array(t, dtype=float), budget, rate, worth=np.array(w))
+    w = [2.0 * tc for tc in t] if in_tokens else [2.0] * len(f)
+    k = solve_priced(
+        np.array(f), np.array(t, dtype=float), budget, rate, worth=np.array(w) if in_tokens else None
+    )
+    assert k.sum() <= budget and (k >= 0).all()
     best = max(
         _objective(c, f, t, rate, w)
         for c in itertools.product(range(budget + 1), repeat=len(f))
