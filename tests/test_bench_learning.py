@@ -43,6 +43,31 @@ SAME_BUDGET = [
     "trace_prefix_only",
     "trace_explore",
 ]
+# The smoke run trains one method per setting the others combine (the allocators, both predictors, the
+# gate, the head's estimates, N = 0, each estimator, the spread, the quota, exploration, each pricing
+# rule) and the (M, N) table; `test_every_method_is_built_at_the_same_budget` builds all of them.
+SMOKE = [
+    "uniform",
+    "pcl",
+    "random_expand",
+    "true_v",
+    "trace",
+    "trace_head",
+    "trace_gate",
+    "trace_shared_sum",
+    "trace_bounded",
+    "trace_spread",
+    "trace_quota",
+    "trace_explore",
+    "trace_ungated_head",
+    "trace_head_gate0_n0",
+    "trace_split",
+    "trace_head_gate0_tokens",
+    "trace_sure_grow",
+    "trace_root_only",
+    "trace_prefix_only",
+]
+SMOKE_BUDGETS = ["trace_m12_n3", "trace_m24_n1"]  # the (M, N) table at the quick mode's 24 leaves, N = 1
 
 
 def learning(args: list[str], script: str = "learning.py") -> subprocess.CompletedProcess:
@@ -60,8 +85,8 @@ def learning(args: list[str], script: str = "learning.py") -> subprocess.Complet
 def test_learning_benchmark_quick_mode(tmp_path):
     out, png = tmp_path / "learning.json", tmp_path / "learning.png"
     cache = str(tmp_path / "cache")
-    args = ["--quick", "--out", str(out), "--plot", str(png), "--cache", cache]
-    proc = learning(args)
+    args = ["--quick", "--out", str(out), "--plot", str(png), "--cache", cache, "--methods", *SMOKE]
+    proc = learning([*args, *SMOKE_BUDGETS])
     for title in ("Main comparison", "Table 1 ablation", "(M, N) budget table"):
         assert title in proc.stdout
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))]
@@ -74,11 +99,11 @@ def test_learning_benchmark_quick_mode(tmp_path):
     assert result["verdicts"] == verdicts
     for seed in result["seeds"]:
         runs = {r["method"]: r for r in seed["runs"]}
-        assert set(SAME_BUDGET) <= set(runs) and len(runs) == len(SAME_BUDGET) + 2
+        assert set(runs) == set(SMOKE + SMOKE_BUDGETS)
         # every method of a seed starts from the same warm start and is evaluated the same way
         assert len({r["evals"][0]["success"] for r in runs.values()}) == 1
         for name, run in runs.items():
-            if name in SAME_BUDGET:
+            if name in SMOKE:
                 assert run["leaves_per_iteration"] == config["leaves"]
             assert len(run["iterations"]) == config["iterations"]
             for i, row in enumerate(run["iterations"]):  # the budget is spent exactly, every iteration
@@ -91,7 +116,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
             for e in run["evals"]:
                 assert e["leaves"] == e["iteration"] * run["leaves_per_iteration"]
                 assert 0.0 <= e["success"] <= 1.0
-    for name in SAME_BUDGET:  # same total budget as GRPO: reached within it, never (inf), or undefined (nan)
+    for name in SMOKE:  # same total budget as GRPO: reached within it, never (inf), or undefined (nan)
         assert set(result["summary"][name]["final_success"]) >= {"mean", "std", "per_seed"}
         ratio = result["summary"][name]["leaves_x_grpo"]["per_seed"]
         assert all(0.0 <= x <= 1.0 or math.isinf(x) or math.isnan(x) for x in ratio)
@@ -107,6 +132,38 @@ def test_learning_benchmark_quick_mode(tmp_path):
     )
     assert [line for line in again.stdout.splitlines() if line.startswith(("PASS:", "MISS:"))] == verdicts
     assert replot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_method_is_built_at_the_same_budget(tmp_path):
+    """Every method the benchmark lists is built (no training): the same leaves as GRPO but the (M, N)
+    table's, and each pricing variant carries the settings its name says, over the shipped allocator."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learning as bench
+
+    args = bench.parse_args(["--quick"])
+    args.trainer, args.experiment = bench.shipped_config(str(tmp_path))
+    built = bench.methods(args)
+    assert set(SAME_BUDGET) | set(bench.MAIN) | set(SMOKE) <= set(built)
+    assert set(built) == set(SAME_BUDGET) | set(SMOKE_BUDGETS)
+    for name in SAME_BUDGET:
+        assert built[name].leaves == args.leaves == 24, name
+    assert [built[n].leaves for n in SMOKE_BUDGETS] == [12 * 4, 24 * 2]
+    shipped = built["trace"].allocator.pricing
+    wanted = {  # pricing fields each variant changes; the rest are the shipped allocator's
+        "trace_head_gate0_tokens": {"worth": "tokens"},
+        "trace_head_gate0_sure": {"confidence": 1.0},
+        "trace_head_gate0_grow": {"growth": 1.0},
+        "trace_head_gate0_sure_grow": {"confidence": 1.0, "growth": 1.0},
+        "trace_sure_grow": {"confidence": 1.0, "growth": 1.0},
+        "trace_head_gate0": {},
+    }
+    for name, changes in wanted.items():
+        pricing = built[name].allocator.pricing
+        for key in ("worth", "confidence", "growth"):
+            assert getattr(pricing, key) == changes.get(key, getattr(shipped, key)), (name, key)
+    for name in ("trace_head_gate0", "trace_head_gate0_sure_grow", "trace_head_gate0_n0"):
+        assert built[name].selection["gate_skill"] == 0.0 and built[name].selection["attributes"] is False
+    assert built["trace_head_gate0_n0"].allocator.expansion == 0 and built["trace"].allocator.expansion == 1
 
 
 def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
