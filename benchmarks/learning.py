@@ -22,8 +22,10 @@ sets and the warm start are shared, so methods are paired within a seed.
    (the start value is measured with it too). Its tokens are in no budget.
 
 Methods: uniform (GRPO, groups of 4), grpo_trace_prompts (GRPO with trace's prompt count: groups of
-`--control-group`), pcl, random_expand, trace, trace_shared_sum (a shared prefix weighted once
-per leaf), trace_bounded and trace_ungated_bounded (bounded tree advantages, gated and ungated),
+`--control-group`), pcl, random_expand, trace (the shipped default), trace_pooled (the earlier default:
+pooled rates behind a gate at 0.25, Stage 2 at the mean; the variants below change it), trace_shared_sum
+(a shared prefix weighted once per leaf), trace_bounded and trace_ungated_bounded (bounded tree
+advantages, gated and ungated),
 uniform_spread and trace_spread (each tree's leaves dealt across the iteration's optimizer steps),
 trace_quota and trace_ungated_quota (no attribute cell given more than GRPO's share of candidates),
 trace_ungated_n0 and true_v_n0 (Stage 1 alone, steered every iteration by pooled or true rates),
@@ -121,21 +123,27 @@ def policy_state_head(args: argparse.Namespace) -> PredictorSettings:
     )
 
 
+MEAN_PRICED = {"confidence": 0.0, "growth": None}  # Stage 2 at each bucket's posterior mean, uncapped
+
+
 def methods(args: argparse.Namespace) -> dict[str, Method]:
     """`trace` is `experiment=trace` as the shipped config composes it (allocator, selection, predictor
-    defaults), so the benchmark measures what a user runs; the others vary one thing against it."""
+    defaults), so the benchmark measures what a user runs. The others vary one thing against the earlier
+    default, `trace_pooled` (Stage 1 on success rates pooled by the tasks' attributes behind a gate at
+    0.25, Stage 2 priced at each bucket's posterior mean, uncapped), under which they were recorded."""
     n, leaves, cap = args.expansion, args.leaves, args.max_per_prompt
     m = leaves // (1 + n)
-    shipped = instantiate(args.experiment["allocator"])
+    allocator = args.experiment["allocator"]
+    shipped = instantiate(allocator)
 
-    def priced(**changes: Any) -> Any:  # the shipped allocator with some of its pricing settings changed
-        allocator = args.experiment["allocator"]
-        return instantiate(allocator | {"pricing": allocator["pricing"] | changes})
+    def priced(**changes: Any) -> Any:  # the earlier default's Stage 2 pricing with some settings changed
+        return instantiate(allocator | {"pricing": allocator["pricing"] | MEAN_PRICED | changes})
 
-    in_tokens, sure, grow = priced(worth="tokens"), priced(confidence=1.0), priced(growth=1.0)
+    mean, in_tokens, sure, grow = priced(), priced(worth="tokens"), priced(confidence=1.0), priced(growth=1.0)
     sure_grow = priced(confidence=1.0, growth=1.0)
-    stage1 = {k: args.experiment["allocator"][k] for k in ("min_group", "max_per_prompt", "breadth")}
+    stage1 = {k: allocator[k] for k in ("min_group", "max_per_prompt", "breadth")}
     selection = dict(args.experiment["selection"])
+    pooled = selection | {"attributes": True, "gate_skill": 0.25}  # the earlier default's selection
     explore = {"thompson": True, "epoch_pools": True, "max_visits": 2, "visit_window": 8}
     gate = {"explore_groups": 2, "gate_skill": 0.0}
     head = {
@@ -150,64 +158,65 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "pcl": Method(alloc.pcl(4), leaves),
         "random_expand": Method(alloc.random_expand(2, n), leaves),
         "trace": Method(shipped, leaves, selection),
+        "trace_pooled": Method(mean, leaves, pooled),  # the earlier default
         # the earlier predictor, on the same allocator: where the gap to true_v came from
-        "trace_head": Method(shipped, leaves, selection, old),
+        "trace_head": Method(mean, leaves, pooled, old),
         # the unbiased slice and the skill gate, with a predictor that has skill and one that has little
-        "trace_gate": Method(shipped, leaves, selection | gate),
-        "trace_head_gate": Method(shipped, leaves, selection | gate, old),
+        "trace_gate": Method(mean, leaves, pooled | gate),
+        "trace_head_gate": Method(mean, leaves, pooled | gate, old),
         # the estimates steer every iteration, whatever their measured skill (as true_v does)
-        "trace_ungated": Method(shipped, leaves, selection | {"gate_skill": None}),
+        "trace_ungated": Method(mean, leaves, pooled | {"gate_skill": None}),
         # NOT a method: Stage 1 steered by `--true-v-samples` fresh episodes of every candidate, outside
         # the budget and training nothing (TrueVCollector). The ceiling every predictor is read
         # against.
-        "true_v": Method(shipped, leaves, selection, true_v=True),
-        # Table 1 with the shipped trace's Stage 1 (groups, cap, breadth) and N
-        "trace_root_only": Method(alloc.trace_root_only(n, **stage1), leaves, selection),
-        "trace_prefix_only": Method(alloc.trace_prefix_only(stage1["min_group"], n), leaves, selection),
+        "true_v": Method(mean, leaves, pooled, true_v=True),
+        # Table 1 with the earlier default's Stage 1 (groups, cap, breadth) and N
+        "trace_root_only": Method(alloc.trace_root_only(n, **stage1), leaves, pooled),
+        "trace_prefix_only": Method(alloc.trace_prefix_only(stage1["min_group"], n), leaves, pooled),
         # trace, with a prefix shared by k leaves trained at k times the weight (once per leaf)
-        "trace_shared_sum": Method(shipped, leaves, selection, estimator=TreeGRPO(shared_prefix="sum")),
+        "trace_shared_sum": Method(mean, leaves, pooled, estimator=TreeGRPO(shared_prefix="sum")),
         # trace, and its ungated twin, with the tree advantages bounded (advantages.tree_grpo_bounded)
-        "trace_bounded": Method(shipped, leaves, selection, estimator=TreeGRPO(bounded=True)),
+        "trace_bounded": Method(mean, leaves, pooled, estimator=TreeGRPO(bounded=True)),
         "trace_ungated_bounded": Method(
-            shipped, leaves, selection | {"gate_skill": None}, estimator=TreeGRPO(bounded=True)
+            mean, leaves, pooled | {"gate_skill": None}, estimator=TreeGRPO(bounded=True)
         ),
         # trace, and its ungated twin, with no attribute cell given more than GRPO's share of candidates
-        "trace_quota": Method(shipped, leaves, selection | {"cell_quota": 1.0}),
-        "trace_ungated_quota": Method(shipped, leaves, selection | {"gate_skill": None, "cell_quota": 1.0}),
+        "trace_quota": Method(mean, leaves, pooled | {"cell_quota": 1.0}),
+        "trace_ungated_quota": Method(mean, leaves, pooled | {"gate_skill": None, "cell_quota": 1.0}),
         # steered every iteration by the predictor's own per-prompt estimates instead of pooled rates
-        "trace_ungated_head": Method(shipped, leaves, selection | head),
+        "trace_ungated_head": Method(mean, leaves, pooled | head),
         # the same estimates behind a gate at skill 0 (steer while they beat the base rate), and alone (N = 0)
-        "trace_head_gate0": Method(shipped, leaves, selection | head_gate0),
-        "trace_ungated_head_n0": Method(alloc.trace(0, **stage1), leaves, selection | head),
+        "trace_head_gate0": Method(mean, leaves, pooled | head_gate0),
+        "trace_ungated_head_n0": Method(alloc.trace(0, **stage1), leaves, pooled | head),
         # the head gated at 0 with Stage 1 alone, and with bounded tree advantages (the real model's suspects)
-        "trace_head_gate0_n0": Method(alloc.trace(0, **stage1), leaves, selection | head_gate0),
+        "trace_head_gate0_n0": Method(alloc.trace(0, **stage1), leaves, pooled | head_gate0),
         "trace_head_gate0_bounded": Method(
-            shipped, leaves, selection | head_gate0, estimator=TreeGRPO(bounded=True)
+            mean, leaves, pooled | head_gate0, estimator=TreeGRPO(bounded=True)
         ),
-        # the shipped trace and the head gated at 0 with the turns sampled from one prefix sharing one
+        # the earlier default and the head gated at 0 with the turns sampled from one prefix sharing one
         # trajectory's weight (advantages.branch_weights)
-        "trace_split": Method(shipped, leaves, selection, estimator=TreeGRPO(branch_weight=True)),
+        "trace_split": Method(mean, leaves, pooled, estimator=TreeGRPO(branch_weight=True)),
         "trace_head_gate0_split": Method(
-            shipped, leaves, selection | head_gate0, estimator=TreeGRPO(branch_weight=True)
+            mean, leaves, pooled | head_gate0, estimator=TreeGRPO(branch_weight=True)
         ),
         # the head gated at 0 with Stage 2 priced in tokens that get a contrast instead of leaves
-        "trace_head_gate0_tokens": Method(in_tokens, leaves, selection | head_gate0),
+        "trace_head_gate0_tokens": Method(in_tokens, leaves, pooled | head_gate0),
         # ... and with each bucket priced one posterior std below its mean flip rate
-        "trace_head_gate0_sure": Method(sure, leaves, selection | head_gate0),
+        "trace_head_gate0_sure": Method(sure, leaves, pooled | head_gate0),
         # ... with each bucket buying at most what it has measured, and with both rules
-        "trace_head_gate0_grow": Method(grow, leaves, selection | head_gate0),
-        "trace_head_gate0_sure_grow": Method(sure_grow, leaves, selection | head_gate0),
-        # the shipped selection (pooled rates, gate 0.25) with both rules
-        "trace_sure_grow": Method(sure_grow, leaves, selection),
+        "trace_head_gate0_grow": Method(grow, leaves, pooled | head_gate0),
+        "trace_head_gate0_sure_grow": Method(sure_grow, leaves, pooled | head_gate0),
+        # the earlier default's selection (pooled rates, gate 0.25) with both rules
+        "trace_sure_grow": Method(sure_grow, leaves, pooled),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
-        "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, selection | {"gate_skill": None}),
-        "true_v_n0": Method(alloc.trace(0, **stage1), leaves, selection, true_v=True),
+        "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, pooled | {"gate_skill": None}),
+        "true_v_n0": Method(alloc.trace(0, **stage1), leaves, pooled, true_v=True),
         # GRPO and trace with each tree's leaves dealt across the iteration's steps (data.spread_trees)
         "uniform_spread": Method(alloc.uniform(4), leaves, spread=True),
-        "trace_spread": Method(shipped, leaves, selection, spread=True),
+        "trace_spread": Method(mean, leaves, pooled, spread=True),
         f"trace_m{m}_n{3 * n}": Method(alloc.trace(3 * n, max_per_prompt=cap), m * (1 + 3 * n)),
         f"trace_m{2 * m}_n{n}": Method(alloc.trace(n, max_per_prompt=cap), 2 * m * (1 + n)),
-        "trace_explore": Method(shipped, leaves, selection | explore),
+        "trace_explore": Method(mean, leaves, pooled | explore),
     }
 
 
@@ -715,6 +724,7 @@ MAIN = [
     "random_expand",
     "true_v",
     "trace",
+    "trace_pooled",
     "trace_shared_sum",
     "trace_head",
     "trace_gate",

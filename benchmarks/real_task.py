@@ -41,32 +41,39 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WARM_START = "outputs/warm_start/smollm2-math_tool/model"
-HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]
-SURE_GROW = ["allocator.pricing.confidence=1.0", "allocator.pricing.growth=1.0"]
+# The earlier default, for the runs recorded under it: Stage 1 steered by success rates pooled by the
+# task's attributes behind a gate at 0.25, and Stage 2 priced at each bucket's posterior mean, uncapped
+POOLED = ["selection.attributes=true", "selection.gate_skill=0.25"]
+MEAN_PRICED = ["allocator.pricing.confidence=0.0", "allocator.pricing.growth=null"]
+HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]  # the default's selection, spelt out
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
+    # the head's per-prompt estimates behind a gate at skill 0, Stage 2 priced one posterior std below the
+    # mean with each bucket capped at its measured continuations (conf/train.yaml, conf/allocator/trace.yaml)
     "trace": [],
     "grpo": ["allocator=uniform", "advantage=grpo"],
     "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
-    # trace steered every iteration by the head's per-prompt estimates: no attribute pooling, no gate
-    "trace_head": ["selection.attributes=false", "selection.gate_skill=null"],
-    # the same estimates behind a gate at skill 0: they steer only while they beat the base rate
-    "trace_head_gate0": HEAD_GATE0,
+    "trace_pooled": [*POOLED, *MEAN_PRICED],  # the earlier default
+    # Knapsack RL on the earlier default's estimates
+    "knapsack_pooled": ["allocator=knapsack", "advantage=grpo", *POOLED],
+    # the variants screened on the way, each spelt out from today's default
+    # the head's estimates steering every iteration, Stage 2 at the mean
+    "trace_head": ["selection.attributes=false", "selection.gate_skill=null", *MEAN_PRICED],
+    # the same behind the gate at 0
+    "trace_head_gate0": [*HEAD_GATE0, *MEAN_PRICED],
     # and with Stage 1 alone (N = 0): the steered iterations' continuations gone, roots trained as GRPO's
-    "trace_head_gate0_n0": [*HEAD_GATE0, "allocator.expansion=0"],
+    "trace_head_gate0_n0": [*HEAD_GATE0, *MEAN_PRICED, "allocator.expansion=0"],
     # and with Stage 2 kept, its tree advantages bounded (advantages.tree_grpo_bounded)
-    "trace_head_gate0_bounded": [*HEAD_GATE0, "advantage.bounded=true"],
-    # the shipped trace, and the head gated at 0, with the turns sampled from one prefix sharing one
+    "trace_head_gate0_bounded": [*HEAD_GATE0, *MEAN_PRICED, "advantage.bounded=true"],
+    # the earlier default and the head gated at 0, with the turns sampled from one prefix sharing one
     # trajectory's weight (advantages.branch_weights)
-    "trace_split": ["advantage.branch_weight=true"],
-    "trace_head_gate0_split": [*HEAD_GATE0, "advantage.branch_weight=true"],
+    "trace_split": [*POOLED, *MEAN_PRICED, "advantage.branch_weight=true"],
+    "trace_head_gate0_split": [*HEAD_GATE0, *MEAN_PRICED, "advantage.branch_weight=true"],
     # the head gated at 0 with Stage 2 priced in tokens that get a contrast, not leaves (pricing.py)
-    "trace_head_gate0_tokens": [*HEAD_GATE0, "allocator.pricing.worth=tokens"],
-    # ... and with each bucket priced one posterior std below its mean flip rate
-    "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.confidence=1.0"],
-    # ... and each bucket buying at most what it has measured
-    "trace_head_gate0_sure_grow": [*HEAD_GATE0, *SURE_GROW],
-    # the shipped selection (pooled rates, gate 0.25) with both rules
-    "trace_sure_grow": SURE_GROW,
+    "trace_head_gate0_tokens": [*HEAD_GATE0, *MEAN_PRICED, "allocator.pricing.worth=tokens"],
+    # ... and with each bucket priced one posterior std below its mean flip rate, uncapped
+    "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.growth=null"],
+    # the earlier default's selection with today's Stage 2
+    "trace_sure_grow": POOLED,
 }
 
 

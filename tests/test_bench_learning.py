@@ -13,6 +13,7 @@ SAME_BUDGET = [
     "pcl",
     "random_expand",
     "trace",
+    "trace_pooled",
     "trace_shared_sum",
     "trace_head",
     "trace_gate",
@@ -148,22 +149,31 @@ def test_every_method_is_built_at_the_same_budget(tmp_path):
     for name in SAME_BUDGET:
         assert built[name].leaves == args.leaves == 24, name
     assert [built[n].leaves for n in SMOKE_BUDGETS] == [12 * 4, 24 * 2]
-    shipped = built["trace"].allocator.pricing
-    wanted = {  # pricing fields each variant changes; the rest are the shipped allocator's
+    shipped, earlier = built["trace"], built["trace_pooled"]
+    # today's default: the head's estimates behind a gate at 0, each bucket priced one posterior std below
+    # its mean and capped at its measured continuations; the earlier one: pooled rates, gate 0.25, the mean
+    assert (shipped.selection["gate_skill"], shipped.selection["attributes"]) == (0.0, False)
+    assert (shipped.allocator.pricing.confidence, shipped.allocator.pricing.growth) == (1.0, 1.0)
+    assert (earlier.selection["gate_skill"], earlier.selection["attributes"]) == (0.25, True)
+    assert (earlier.allocator.pricing.confidence, earlier.allocator.pricing.growth) == (0.0, None)
+    wanted = {  # pricing fields each variant changes; the rest are the earlier default's
         "trace_head_gate0_tokens": {"worth": "tokens"},
         "trace_head_gate0_sure": {"confidence": 1.0},
         "trace_head_gate0_grow": {"growth": 1.0},
         "trace_head_gate0_sure_grow": {"confidence": 1.0, "growth": 1.0},
         "trace_sure_grow": {"confidence": 1.0, "growth": 1.0},
         "trace_head_gate0": {},
+        "trace_bounded": {},
     }
     for name, changes in wanted.items():
-        pricing = built[name].allocator.pricing
+        pricing, base = built[name].allocator.pricing, earlier.allocator.pricing
         for key in ("worth", "confidence", "growth"):
-            assert getattr(pricing, key) == changes.get(key, getattr(shipped, key)), (name, key)
+            assert getattr(pricing, key) == changes.get(key, getattr(base, key)), (name, key)
     for name in ("trace_head_gate0", "trace_head_gate0_sure_grow", "trace_head_gate0_n0"):
-        assert built[name].selection["gate_skill"] == 0.0 and built[name].selection["attributes"] is False
-    assert built["trace_head_gate0_n0"].allocator.expansion == 0 and built["trace"].allocator.expansion == 1
+        assert built[name].selection == shipped.selection, name  # the head gated at 0 is today's selection
+    for name in ("trace_sure_grow", "trace_bounded", "true_v"):
+        assert built[name].selection == earlier.selection, name
+    assert built["trace_head_gate0_n0"].allocator.expansion == 0 and shipped.allocator.expansion == 1
 
 
 def test_learning_benchmark_quick_mode_at_an_equal_token_budget(tmp_path):
