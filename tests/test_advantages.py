@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trace_lightning.advantages import (
@@ -135,6 +135,8 @@ group_cases = st.lists(
 
 @settings(max_examples=50, deadline=None)
 @given(group_cases, st.integers(0, 4))
+# bare rewards that differ by 1e-180: their squares underflow, and the prompt term must still see contrast
+@example([(0, 0.0), (0, 0.25), (0, 0.0), (0, 0.0), (0, 0.0), (0, 2.6751781204796926e-180)], 2)
 def test_leaf_estimators_match_reference(cases: list[tuple[int, float]], n_local: int) -> None:
     groups = torch.tensor([g for g, _ in cases])
     rewards = torch.tensor([r for _, r in cases], dtype=torch.float64)

@@ -170,7 +170,15 @@ def bare_prompt_term(
     mean = _group_sum(rewards * weight, inverse, n) / n_bare.clamp(min=1)  # [n_groups]
     sq = _group_sum((rewards - mean[inverse]).square() * weight, inverse, n)  # [n_groups]
     std = (sq / (n_bare - 1).clamp(min=1)).sqrt()  # [n_groups]
-    contrast = (n_bare >= 2) & (sq > 0)  # [n_groups]: two bare leaves that differ
+    # [n_groups]: two bare leaves that differ, compared exactly as `_centred` does (a difference of 1e-180
+    # squares to 0, so `sq > 0` would miss it)
+    bare_max = torch.full_like(mean, -math.inf).scatter_reduce(
+        0, inverse, torch.where(bare, rewards, -math.inf), "amax"
+    )
+    bare_min = torch.full_like(mean, math.inf).scatter_reduce(
+        0, inverse, torch.where(bare, rewards, math.inf), "amin"
+    )
+    contrast = bare_max > bare_min
     return torch.where(contrast[inverse], (rewards - mean[inverse]) / (std[inverse] + eps), 0.0)  # [L]
 
 
