@@ -45,6 +45,22 @@ def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+def _differs(
+    x: torch.Tensor, inverse: torch.Tensor, n_groups: int, among: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whether two of each group's values differ at all (exactly, not through a variance whose squares
+    may underflow), counting only the leaves in `among` where given.  # [n_groups]"""
+    high = x if among is None else torch.where(among, x, -math.inf)
+    low = x if among is None else torch.where(among, x, math.inf)
+    group_max = torch.full((n_groups,), -math.inf, dtype=x.dtype, device=x.device).scatter_reduce(
+        0, inverse, high, "amax"
+    )
+    group_min = torch.full((n_groups,), math.inf, dtype=x.dtype, device=x.device).scatter_reduce(
+        0, inverse, low, "amin"
+    )
+    return group_max > group_min
+
+
 def _centred(
     rewards: torch.Tensor, groups: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,9 +74,7 @@ def _centred(
     inverse, counts = _group_index(groups)
     n_groups = counts.numel()
     mean = _group_sum(rewards, inverse, n_groups) / counts.to(rewards.dtype)  # [n_groups]
-    group_max = torch.full_like(mean, -math.inf).scatter_reduce(0, inverse, rewards, "amax")  # [n_groups]
-    group_min = torch.full_like(mean, math.inf).scatter_reduce(0, inverse, rewards, "amin")  # [n_groups]
-    contrast = (group_max > group_min)[inverse]  # [L]; implies the group has >= 2 leaves
+    contrast = _differs(rewards, inverse, n_groups)[inverse]  # [L]; implies the group has >= 2 leaves
     centred = torch.where(contrast, rewards - mean[inverse], torch.zeros_like(rewards))  # [L]
     return centred, inverse, counts, contrast
 
@@ -170,15 +184,7 @@ def bare_prompt_term(
     mean = _group_sum(rewards * weight, inverse, n) / n_bare.clamp(min=1)  # [n_groups]
     sq = _group_sum((rewards - mean[inverse]).square() * weight, inverse, n)  # [n_groups]
     std = (sq / (n_bare - 1).clamp(min=1)).sqrt()  # [n_groups]
-    # [n_groups]: two bare leaves that differ, compared exactly as `_centred` does (a difference of 1e-180
-    # squares to 0, so `sq > 0` would miss it)
-    bare_max = torch.full_like(mean, -math.inf).scatter_reduce(
-        0, inverse, torch.where(bare, rewards, -math.inf), "amax"
-    )
-    bare_min = torch.full_like(mean, math.inf).scatter_reduce(
-        0, inverse, torch.where(bare, rewards, math.inf), "amin"
-    )
-    contrast = bare_max > bare_min
+    contrast = _differs(rewards, inverse, n, among=bare)  # [n_groups]: two bare leaves that differ
     return torch.where(contrast[inverse], (rewards - mean[inverse]) / (std[inverse] + eps), 0.0)  # [L]
 
 
