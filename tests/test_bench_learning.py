@@ -137,7 +137,7 @@ def test_learning_benchmark_quick_mode(tmp_path):
 
 def test_every_method_is_built_at_the_same_budget(tmp_path):
     """Every method the benchmark lists is built (no training): the same leaves as GRPO but the (M, N)
-    table's, and each pricing variant carries the settings its name says, over the shipped allocator."""
+    table's, and each pricing variant carries the settings its name says, over the earlier default."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import learning as bench
 
