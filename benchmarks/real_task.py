@@ -74,6 +74,9 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     "trace_head_gate0_sure": [*HEAD_GATE0, "allocator.pricing.growth=null"],
     # the earlier default's selection with today's Stage 2
     "trace_sure_grow": POOLED,
+    # today's default with Stage 1's estimates pooled by the task's attributes (one switch): on a task
+    # whose difficulty is in its attributes (math_tool's steps) the head has to learn what they state
+    "trace_attributes": ["selection.attributes=true"],
 }
 
 
