@@ -36,7 +36,8 @@ trace_head_gate0_split (the turns sampled from one prefix share one trajectory's
 trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), trace_head_gate0_sure
 (each bucket priced one posterior std below its mean flip rate), trace_head_gate0_grow (each bucket buys
 at most its measured continuations), trace_head_gate0_sure_grow (both) and trace_sure_grow (both, on
-the shipped selection);
+the earlier default's selection); trace_attributes (the shipped default with Stage 1 on rates pooled by
+the tasks' attributes);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -208,6 +209,8 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_head_gate0_sure_grow": Method(sure_grow, leaves, pooled | head_gate0),
         # the earlier default's selection (pooled rates, gate 0.25) with both rules
         "trace_sure_grow": Method(sure_grow, leaves, pooled),
+        # today's default with Stage 1's estimates pooled by the tasks' attributes (one switch)
+        "trace_attributes": Method(shipped, leaves, selection | {"attributes": True}),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, pooled | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, pooled, true_v=True),
@@ -751,6 +754,7 @@ MAIN = [
     "trace_head_gate0_grow",
     "trace_head_gate0_sure_grow",
     "trace_sure_grow",
+    "trace_attributes",
 ]
 
 

@@ -38,6 +38,7 @@ SAME_BUDGET = [
     "trace_head_gate0_grow",
     "trace_head_gate0_sure_grow",
     "trace_sure_grow",
+    "trace_attributes",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
@@ -171,6 +172,9 @@ def test_every_method_is_built_at_the_same_budget(tmp_path):
             assert getattr(pricing, key) == changes.get(key, getattr(base, key)), (name, key)
     for name in ("trace_head_gate0", "trace_head_gate0_sure_grow", "trace_head_gate0_n0"):
         assert built[name].selection == shipped.selection, name  # the head gated at 0 is today's selection
+    attributes = built["trace_attributes"]  # today's default with one switch: rates pooled by attributes
+    assert attributes.selection == shipped.selection | {"attributes": True}
+    assert attributes.allocator == shipped.allocator
     for name in ("trace_sure_grow", "trace_bounded", "true_v"):
         assert built[name].selection == earlier.selection, name
     assert built["trace_head_gate0_n0"].allocator.expansion == 0 and shipped.allocator.expansion == 1
