@@ -565,6 +565,35 @@ def shared_warm_start(args: argparse.Namespace) -> dict[str, Any]:
     return state
 
 
+def fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """A short hash of a warm start's weights: a seed file's runs are resumed only from the same ones."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def seed_file(args: argparse.Namespace, seed: int) -> Path:
+    """Where a seed's runs are kept as each one ends (`--resume` reads them back)."""
+    return args.out.with_name(f".{args.out.stem}_seed{seed}.json")
+
+
+def earlier_runs(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
+    """The seed file an earlier run left (`--resume`), or None where there is none or its runs started
+    from another warm start: a warm start rebuilt on another machine or library version can differ, and
+    runs from two warm starts are not a paired comparison."""
+    path = seed_file(args, seed)
+    if not (args.resume and path.exists()):
+        return None
+    result = json.loads(path.read_text())
+    wanted = fingerprint(shared_warm_start(args)["weights"])
+    if result["warm_start"].get("weights") != wanted:
+        print(f"seed {seed}: not resuming {path}: its runs began from another warm start", flush=True)
+        return None
+    return result
+
+
 def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Every method of one seed from the shared warm start (one worker process)."""
     torch.set_num_threads(1)
@@ -581,10 +610,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         # The difficulty spread needs more episodes per task than an evaluation point has.
         spread = evaluate(module, envs[1], argparse.Namespace(**vars(args) | {"eval_samples": 8}), seed + 500)
         info = warm["info"] | {"heldout_success": start["success"], **difficulty(spread["per_task"])}
+        info |= {"weights": fingerprint(warm["weights"])}
         print(f"seed {seed}: warm start {info}", flush=True)
-        path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
+        path = seed_file(args, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        earlier = json.loads(path.read_text())["runs"] if args.resume and path.exists() else []
+        earlier = (earlier_runs(args, seed) or {"runs": []})["runs"]
         weights = warm["weights"]
         kept = {r["method"]: r for r in earlier}
         runs = []
@@ -601,16 +631,16 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 def finished_seed(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
     """The seed's result from an earlier run's file, restricted to the requested methods, or None
     when there is no such file or it lacks one of them (then `run_seed` trains only the missing ones).
-    The file does not record the arguments: resuming is only honest with the same ones."""
-    path = args.out.with_name(f".{args.out.stem}_seed{seed}.json")
-    if not path.exists():
+    The file records the warm start (`earlier_runs`) but not the arguments: resuming is only honest
+    with the same ones."""
+    result = earlier_runs(args, seed)
+    if result is None:
         return None
-    result = json.loads(path.read_text())
     wanted = [m for m in methods(args) if m in args.methods or not args.methods]  # run_seed's order
     runs = {r["method"]: r for r in result["runs"]}
     if not set(wanted) <= set(runs):
         return None
-    print(f"seed {seed}: taken from {path} ({', '.join(wanted)})", flush=True)
+    print(f"seed {seed}: taken from {seed_file(args, seed)} ({', '.join(wanted)})", flush=True)
     return result | {"runs": [runs[m] for m in wanted]}
 
 
@@ -1077,7 +1107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = time.perf_counter()
     args.trainer, args.experiment = shipped_config(tempfile.gettempdir())
     shared_warm_start(args)  # once, before the workers start
-    done = {s: r for s in args.seeds if (r := finished_seed(args, s)) is not None} if args.resume else {}
+    done = {s: r for s in args.seeds if (r := finished_seed(args, s)) is not None}
     todo = [s for s in args.seeds if s not in done]
     ran = run_seeds(args, todo)
     seed_results = [done.get(s) or ran[s] for s in args.seeds]
