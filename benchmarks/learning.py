@@ -579,16 +579,15 @@ def seed_file(args: argparse.Namespace, seed: int) -> Path:
     return args.out.with_name(f".{args.out.stem}_seed{seed}.json")
 
 
-def earlier_runs(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
+def earlier_runs(args: argparse.Namespace, seed: int, warm: str) -> dict[str, Any] | None:
     """The seed file an earlier run left (`--resume`), or None where there is none or its runs started
     from another warm start: a warm start rebuilt on another machine or library version can differ, and
-    runs from two warm starts are not a paired comparison."""
+    runs from two warm starts are not a paired comparison. `warm`: the current warm start's `fingerprint`."""
     path = seed_file(args, seed)
     if not (args.resume and path.exists()):
         return None
     result = json.loads(path.read_text())
-    wanted = fingerprint(shared_warm_start(args)["weights"])
-    if result["warm_start"].get("weights") != wanted:
+    if result["warm_start"].get("weights") != warm:
         print(f"seed {seed}: not resuming {path}: its runs began from another warm start", flush=True)
         return None
     return result
@@ -614,7 +613,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         print(f"seed {seed}: warm start {info}", flush=True)
         path = seed_file(args, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
-        earlier = (earlier_runs(args, seed) or {"runs": []})["runs"]
+        earlier = (earlier_runs(args, seed, info["weights"]) or {"runs": []})["runs"]
         weights = warm["weights"]
         kept = {r["method"]: r for r in earlier}
         runs = []
@@ -628,12 +627,12 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return {"seed": seed, "warm_start": info, "runs": runs, "seconds": time.perf_counter() - clock}
 
 
-def finished_seed(args: argparse.Namespace, seed: int) -> dict[str, Any] | None:
+def finished_seed(args: argparse.Namespace, seed: int, warm: str) -> dict[str, Any] | None:
     """The seed's result from an earlier run's file, restricted to the requested methods, or None
     when there is no such file or it lacks one of them (then `run_seed` trains only the missing ones).
     The file records the warm start (`earlier_runs`) but not the arguments: resuming is only honest
     with the same ones."""
-    result = earlier_runs(args, seed)
+    result = earlier_runs(args, seed, warm)
     if result is None:
         return None
     wanted = [m for m in methods(args) if m in args.methods or not args.methods]  # run_seed's order
@@ -1106,8 +1105,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     clock = time.perf_counter()
     args.trainer, args.experiment = shipped_config(tempfile.gettempdir())
-    shared_warm_start(args)  # once, before the workers start
-    done = {s: r for s in args.seeds if (r := finished_seed(args, s)) is not None}
+    warm = fingerprint(shared_warm_start(args)["weights"])  # once, before the workers start
+    done = {s: r for s in args.seeds if (r := finished_seed(args, s, warm)) is not None}
     todo = [s for s in args.seeds if s not in done]
     ran = run_seeds(args, todo)
     seed_results = [done.get(s) or ran[s] for s in args.seeds]

@@ -246,20 +246,16 @@ def test_resume_takes_a_seed_file_only_from_the_same_warm_start(tmp_path):
     rebuilt elsewhere can differ, and runs from two warm starts are no paired comparison."""
     import torch
 
-    from benchmarks.learning import earlier_runs, fingerprint, parse_args, seed_file, warm_start_path
+    from benchmarks.learning import earlier_runs, fingerprint, parse_args, seed_file
 
     paths = ["--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "screen.json")]
     args = parse_args([*paths, "--resume"])
     weights = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.zeros(2)}
-    warm_start_path(args).parent.mkdir(parents=True)
-    torch.save({"weights": weights, "info": {}}, warm_start_path(args))
     kept = {"seed": 0, "warm_start": {"weights": fingerprint(weights)}, "runs": [{"method": "uniform"}]}
     seed_file(args, 0).write_text(json.dumps(kept))
-    assert earlier_runs(args, 0) == kept
-    assert earlier_runs(parse_args(paths), 0) is None  # without --resume nothing is reused
+    assert earlier_runs(args, 0, fingerprint(weights)) == kept
+    assert earlier_runs(parse_args(paths), 0, fingerprint(weights)) is None  # without --resume, no reuse
     rebuilt = {"a.weight": weights["a.weight"].clone(), "b.bias": torch.tensor([0.0, 1e-6])}
-    torch.save({"weights": rebuilt, "info": {}}, warm_start_path(args))
-    assert earlier_runs(args, 0) is None  # one weight moved: the kept runs are not reused
+    assert earlier_runs(args, 0, fingerprint(rebuilt)) is None  # one weight moved: the runs are not reused
     seed_file(args, 0).write_text(json.dumps(kept | {"warm_start": {}}))  # a file from before the record
-    torch.save({"weights": weights, "info": {}}, warm_start_path(args))
-    assert earlier_runs(args, 0) is None
+    assert earlier_runs(args, 0, fingerprint(weights)) is None
