@@ -77,6 +77,9 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # today's default with Stage 1's estimates pooled by the task's attributes (one switch): on a task
     # whose difficulty is in its attributes (math_tool's steps) the head has to learn what they state
     "trace_attributes": ["selection.attributes=true"],
+    # ... with steered root groups never smaller than GRPO's 4: on the control task the pooled rates
+    # spread its roots over pairs and triples and it lost to GRPO; here steering only picks the prompts
+    "trace_attributes_g4": ["selection.attributes=true", "allocator.min_group=4"],
 }
 
 
