@@ -80,6 +80,9 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # ... with steered root groups never smaller than GRPO's 4: on the control task the pooled rates
     # spread its roots over pairs and triples and it lost to GRPO; here steering only picks the prompts
     "trace_attributes_g4": ["selection.attributes=true", "allocator.min_group=4"],
+    # ... with Stage 1 on one posterior sample per candidate (selection.thompson): a cell's candidates
+    # no longer share one estimate, so the program spreads over cells whose rates are close
+    "trace_attributes_thompson": ["selection.attributes=true", "selection.thompson=true"],
 }
 
 
