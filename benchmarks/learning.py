@@ -37,7 +37,7 @@ trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), 
 (each bucket priced one posterior std below its mean flip rate), trace_head_gate0_grow (each bucket buys
 at most its measured continuations), trace_head_gate0_sure_grow (both) and trace_sure_grow (both, on
 the earlier default's selection); trace_attributes (the shipped default with Stage 1 on rates pooled by
-the tasks' attributes);
+the tasks' attributes) and trace_attributes_thompson (the same on one posterior sample per candidate);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -211,6 +211,10 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         "trace_sure_grow": Method(sure_grow, leaves, pooled),
         # today's default with Stage 1's estimates pooled by the tasks' attributes (one switch)
         "trace_attributes": Method(shipped, leaves, selection | {"attributes": True}),
+        # ... on one posterior sample per candidate: a cell's candidates no longer tie (selection.thompson)
+        "trace_attributes_thompson": Method(
+            shipped, leaves, selection | {"attributes": True, "thompson": True}
+        ),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, pooled | {"gate_skill": None}),
         "true_v_n0": Method(alloc.trace(0, **stage1), leaves, pooled, true_v=True),
@@ -784,6 +788,7 @@ MAIN = [
     "trace_head_gate0_sure_grow",
     "trace_sure_grow",
     "trace_attributes",
+    "trace_attributes_thompson",
 ]
 
 

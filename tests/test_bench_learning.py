@@ -39,6 +39,7 @@ SAME_BUDGET = [
     "trace_head_gate0_sure_grow",
     "trace_sure_grow",
     "trace_attributes",
+    "trace_attributes_thompson",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
@@ -175,6 +176,9 @@ def test_every_method_is_built_at_the_same_budget(tmp_path):
     attributes = built["trace_attributes"]  # today's default with one switch: rates pooled by attributes
     assert attributes.selection == shipped.selection | {"attributes": True}
     assert attributes.allocator == shipped.allocator
+    thompson = built["trace_attributes_thompson"]  # and a second: one posterior sample per candidate
+    assert thompson.selection == attributes.selection | {"thompson": True}
+    assert thompson.allocator == shipped.allocator
     for name in ("trace_sure_grow", "trace_bounded", "true_v"):
         assert built[name].selection == earlier.selection, name
     assert built["trace_head_gate0_n0"].allocator.expansion == 0 and shipped.allocator.expansion == 1
