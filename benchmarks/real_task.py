@@ -83,6 +83,8 @@ METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its gr
     # ... with Stage 1 on one posterior sample per candidate (selection.thompson): a cell's candidates
     # no longer share one estimate, so the program spreads over cells whose rates are close
     "trace_attributes_thompson": ["selection.attributes=true", "selection.thompson=true"],
+    # ... with each attribute cell capped at its share of the prompts GRPO would train (selection.cell_quota)
+    "trace_attributes_quota": ["selection.attributes=true", "selection.cell_quota=1.0"],
 }
 
 
