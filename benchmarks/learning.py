@@ -37,7 +37,8 @@ trace_head_gate0_tokens (Stage 2 priced in tokens with a contrast, not leaves), 
 (each bucket priced one posterior std below its mean flip rate), trace_head_gate0_grow (each bucket buys
 at most its measured continuations), trace_head_gate0_sure_grow (both) and trace_sure_grow (both, on
 the earlier default's selection); trace_attributes (the shipped default with Stage 1 on rates pooled by
-the tasks' attributes) and trace_attributes_thompson (the same on one posterior sample per candidate);
+the tasks' attributes), trace_attributes_thompson (the same on one posterior sample per candidate) and
+trace_attributes_quota (the same with no attribute cell given more than its share of GRPO's prompts);
 Table 1: trace_root_only, trace_prefix_only (the shipped trace's Stage 1 settings); the (M, N)
 table: trace at (M, 3N) and (2M, N); remedies for Stage 1: trace_explore (Thompson sampling, epoch
 pools and a visit cap) and trace_gate (the calibration gate).
@@ -214,6 +215,10 @@ def methods(args: argparse.Namespace) -> dict[str, Method]:
         # ... on one posterior sample per candidate: a cell's candidates no longer tie (selection.thompson)
         "trace_attributes_thompson": Method(
             shipped, leaves, selection | {"attributes": True, "thompson": True}
+        ),
+        # ... with no attribute cell given more than its share of GRPO's prompts (selection.cell_quota)
+        "trace_attributes_quota": Method(
+            shipped, leaves, selection | {"attributes": True, "cell_quota": 1.0}
         ),
         # Stage 1 alone (N = 0), steered every iteration by the pooled estimates, and by true rates
         "trace_ungated_n0": Method(alloc.trace(0, **stage1), leaves, pooled | {"gate_skill": None}),
@@ -789,6 +794,7 @@ MAIN = [
     "trace_sure_grow",
     "trace_attributes",
     "trace_attributes_thompson",
+    "trace_attributes_quota",
 ]
 
 

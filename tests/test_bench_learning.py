@@ -40,6 +40,7 @@ SAME_BUDGET = [
     "trace_sure_grow",
     "trace_attributes",
     "trace_attributes_thompson",
+    "trace_attributes_quota",
     "trace_head_gate",
     "true_v",  # not a method (Stage 1 steered by fresh episodes outside the budget), but the same leaves
     "trace_root_only",
@@ -179,6 +180,9 @@ def test_every_method_is_built_at_the_same_budget(tmp_path):
     thompson = built["trace_attributes_thompson"]  # and a second: one posterior sample per candidate
     assert thompson.selection == attributes.selection | {"thompson": True}
     assert thompson.allocator == shipped.allocator
+    quota = built["trace_attributes_quota"]  # and a third: no cell above its share of GRPO's prompts
+    assert quota.selection == attributes.selection | {"cell_quota": 1.0}
+    assert quota.allocator == shipped.allocator
     for name in ("trace_sure_grow", "trace_bounded", "true_v"):
         assert built[name].selection == earlier.selection, name
     assert built["trace_head_gate0_n0"].allocator.expansion == 0 and shipped.allocator.expansion == 1
