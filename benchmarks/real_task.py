@@ -46,11 +46,15 @@ WARM_START = "outputs/warm_start/smollm2-math_tool/model"
 POOLED = ["selection.attributes=true", "selection.gate_skill=0.25"]
 MEAN_PRICED = ["allocator.pricing.confidence=0.0", "allocator.pricing.growth=null"]
 HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]  # the default's selection, spelt out
+RESEED = 1000  # grpo_reseeded's training seed is this plus the run's seed
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
     # the head's per-prompt estimates behind a gate at skill 0, Stage 2 priced one posterior std below the
     # mean with each bucket capped at its measured continuations (conf/train.yaml, conf/allocator/trace.yaml)
     "trace": [],
     "grpo": ["allocator=uniform", "advantage=grpo"],
+    # GRPO again on another training stream (pools, sampling, the head's init): the same algorithm, so
+    # its distance from `grpo` on the same seed is what one run's training noise alone moves the result
+    "grpo_reseeded": ["allocator=uniform", "advantage=grpo", "seed=RESEEDED"],
     "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
     "trace_pooled": [*POOLED, *MEAN_PRICED],  # the earlier default
     # Knapsack RL on the earlier default's estimates
@@ -241,7 +245,7 @@ def compare(args: argparse.Namespace) -> None:
                     "env.seed=0",
                     "data.split_seed=0",
                     *budget,
-                    *METHODS[m],
+                    *(o.replace("RESEEDED", str(RESEED + seed)) for o in METHODS[m]),
                     *(["callbacks=probe", f"callbacks.probe.every_n_epochs={args.probe}"] if probe else []),
                     *args.extra,
                 ]

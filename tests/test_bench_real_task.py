@@ -77,3 +77,34 @@ def test_methods_are_compared_per_seed_and_paired_by_problem():
     paired = versus["final_diff_paired_by_problem_per_seed"][0]
     assert paired["diff"] == pytest.approx(0.25) and paired["se"] == pytest.approx(0.4787, abs=1e-4)
     assert versus["mixed_share_ratio"] == pytest.approx(0.375 / 0.25)
+
+
+def test_reseeded_grpo_differs_from_grpo_only_in_its_training_seed(tmp_path, monkeypatch):
+    """`grpo_reseeded`, the noise floor, runs GRPO's command on another training seed (1000 + the run's):
+    the same warm start, problems, held-out split, budget and allocator."""
+    commands = {}
+
+    def fake_train(overrides, run_dir, keep=None):
+        commands[run_dir.name] = overrides
+        return run(0.5, [1, 0, 0, 1], [iteration(100, 0, 1, 0)])
+
+    monkeypatch.setattr(real_task, "train", fake_train)
+    monkeypatch.setattr(real_task, "ensure_warm_start", lambda *a: None)
+    monkeypatch.setattr(real_task, "RUNS", tmp_path / "runs")
+    args = real_task.argparse.Namespace(
+        seeds="2",
+        tasks="control",
+        methods="grpo,grpo_reseeded",
+        out=str(tmp_path / "report.json"),
+        tokens=1500,
+        max_leaves=96,
+        probe=0,
+        extra=[],
+        work=str(tmp_path / "work"),
+        only=None,
+    )
+    real_task.compare(args)
+    grpo, reseeded = commands["control_grpo_seed2"], commands["control_grpo_reseeded_seed2"]
+    assert grpo[-1] == "advantage=grpo" and reseeded[-1] == "seed=1002"
+    assert "seed=2" in grpo and "env.seed=0" in reseeded and "data.split_seed=0" in reseeded
+    assert reseeded[:-1] == grpo  # GRPO's own overrides, then the seed that replaces its "seed=2"
