@@ -46,15 +46,17 @@ WARM_START = "outputs/warm_start/smollm2-math_tool/model"
 POOLED = ["selection.attributes=true", "selection.gate_skill=0.25"]
 MEAN_PRICED = ["allocator.pricing.confidence=0.0", "allocator.pricing.growth=null"]
 HEAD_GATE0 = ["selection.attributes=false", "selection.gate_skill=0.0"]  # the default's selection, spelt out
-RESEED = 1000  # grpo_reseeded's training seed is this plus the run's seed
+GRPO = ["allocator=uniform", "advantage=grpo"]
+# A method's training seed is the run's plus its offset here (0 for the others): grpo_reseeded is GRPO
+# again on another stream (pools, sampling, the head's init), so its distance from `grpo` on the same seed
+# is what one run's training noise alone moves the result
+SEED_OFFSET = {"grpo_reseeded": 1000}
 METHODS = {  # the default job is trace; GRPO is uniform groups of 4 with its group-mean advantage
     # the head's per-prompt estimates behind a gate at skill 0, Stage 2 priced one posterior std below the
     # mean with each bucket capped at its measured continuations (conf/train.yaml, conf/allocator/trace.yaml)
     "trace": [],
-    "grpo": ["allocator=uniform", "advantage=grpo"],
-    # GRPO again on another training stream (pools, sampling, the head's init): the same algorithm, so
-    # its distance from `grpo` on the same seed is what one run's training noise alone moves the result
-    "grpo_reseeded": ["allocator=uniform", "advantage=grpo", "seed=RESEEDED"],
+    "grpo": GRPO,
+    "grpo_reseeded": GRPO,  # on the training seed SEED_OFFSET gives it
     "knapsack": ["allocator=knapsack", "advantage=grpo"],  # Knapsack RL on the same estimates as trace
     "trace_pooled": [*POOLED, *MEAN_PRICED],  # the earlier default
     # Knapsack RL on the earlier default's estimates
@@ -241,11 +243,11 @@ def compare(args: argparse.Namespace) -> None:
                     f"model.warm_start={spec['warm_start']}",
                     *spec["env"],
                     # another training seed, the same problems and held-out split as the warm start's (seed 0)
-                    f"seed={seed}",
+                    f"seed={seed + SEED_OFFSET.get(m, 0)}",
                     "env.seed=0",
                     "data.split_seed=0",
                     *budget,
-                    *(o.replace("RESEEDED", str(RESEED + seed)) for o in METHODS[m]),
+                    *METHODS[m],
                     *(["callbacks=probe", f"callbacks.probe.every_n_epochs={args.probe}"] if probe else []),
                     *args.extra,
                 ]
