@@ -1134,7 +1134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "seeds": seed_results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    args.out.write_text(json.dumps(out))  # compact: five seeds' per-iteration records of several methods
     plot(seed_results, args, args.plot)
     if args.into is not None:
         merge_tokens(args.into, out)
@@ -1148,7 +1148,7 @@ def merge_tokens(path: Path, token_run: dict[str, Any]) -> None:
         raise SystemExit(f"--into {path}: not an equal-leaves run over the same seeds")
     for key in ("summary", "config", "verdicts", "seconds"):
         base[f"{key}_tokens"] = token_run[key]
-    path.write_text(json.dumps(base, indent=1))
+    path.write_text(json.dumps(base))
     print(f"summary_tokens written into {path}")
 
 
