@@ -315,6 +315,8 @@ LEAVES = st.lists(st.tuples(st.integers(0, 5), EXTREME), min_size=1, max_size=40
 @example(
     leaves=[(0, 1e30), (0, -1e30), (0, 1e30), (1, 1.0), (2, 0.5), (2, 0.5)], n_local=2, dtype=torch.float32
 )
+# huge, nearly equal rewards: a mean rounded at 1e30's precision once broke the |z| bound by 1e-3
+@example(leaves=[(0, 1e30), (0, 9.999999999876701e29)], n_local=1, dtype=torch.float64)
 def test_leaf_estimators_never_nan_on_extreme_rewards(
     leaves: list[tuple[int, float]], n_local: int, dtype
 ) -> None:

@@ -73,9 +73,16 @@ def _centred(
     """
     inverse, counts = _group_index(groups)
     n_groups = counts.numel()
-    mean = _group_sum(rewards, inverse, n_groups) / counts.to(rewards.dtype)  # [n_groups]
+    # Shift each group by its largest reward before averaging: r - max is exact for rewards within a
+    # factor of two of each other (Sterbenz), so a group of huge, nearly equal rewards keeps its spread
+    # instead of losing it to the mean's rounding, which would break the symmetry of r - mean.
+    top = torch.full((n_groups,), -math.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(
+        0, inverse, rewards, "amax"
+    )
+    shifted = rewards - top[inverse]  # [L], <= 0
+    mean = _group_sum(shifted, inverse, n_groups) / counts.to(rewards.dtype)  # [n_groups]
     contrast = _differs(rewards, inverse, n_groups)[inverse]  # [L]; implies the group has >= 2 leaves
-    centred = torch.where(contrast, rewards - mean[inverse], torch.zeros_like(rewards))  # [L]
+    centred = torch.where(contrast, shifted - mean[inverse], torch.zeros_like(rewards))  # [L]
     return centred, inverse, counts, contrast
 
 
