@@ -45,6 +45,12 @@ def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+def _group_extreme(x: torch.Tensor, inverse: torch.Tensor, n_groups: int, how: str) -> torch.Tensor:
+    """The largest ("amax") or smallest ("amin") of `x` over the leaves of each group.  # [n_groups]"""
+    start = -math.inf if how == "amax" else math.inf
+    return torch.full((n_groups,), start, dtype=x.dtype, device=x.device).scatter_reduce(0, inverse, x, how)
+
+
 def _differs(
     x: torch.Tensor, inverse: torch.Tensor, n_groups: int, among: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -52,13 +58,7 @@ def _differs(
     may underflow), counting only the leaves in `among` where given.  # [n_groups]"""
     high = x if among is None else torch.where(among, x, -math.inf)
     low = x if among is None else torch.where(among, x, math.inf)
-    group_max = torch.full((n_groups,), -math.inf, dtype=x.dtype, device=x.device).scatter_reduce(
-        0, inverse, high, "amax"
-    )
-    group_min = torch.full((n_groups,), math.inf, dtype=x.dtype, device=x.device).scatter_reduce(
-        0, inverse, low, "amin"
-    )
-    return group_max > group_min
+    return _group_extreme(high, inverse, n_groups, "amax") > _group_extreme(low, inverse, n_groups, "amin")
 
 
 def _centred(
@@ -76,12 +76,11 @@ def _centred(
     # Shift each group by its largest reward before averaging: r - max is exact for rewards within a
     # factor of two of each other (Sterbenz), so a group of huge, nearly equal rewards keeps its spread
     # instead of losing it to the mean's rounding, which would break the symmetry of r - mean.
-    top = torch.full((n_groups,), -math.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(
-        0, inverse, rewards, "amax"
-    )
-    shifted = rewards - top[inverse]  # [L], <= 0
+    shifted = rewards - _group_extreme(rewards, inverse, n_groups, "amax")[inverse]  # [L], <= 0
     mean = _group_sum(shifted, inverse, n_groups) / counts.to(rewards.dtype)  # [n_groups]
-    contrast = _differs(rewards, inverse, n_groups)[inverse]  # [L]; implies the group has >= 2 leaves
+    # a group has contrast when some reward is below its largest (r - max of distinct floats is never 0);
+    # this implies the group has >= 2 leaves
+    contrast = (_group_extreme(shifted, inverse, n_groups, "amin") < 0)[inverse]  # [L]
     centred = torch.where(contrast, shifted - mean[inverse], torch.zeros_like(rewards))  # [L]
     return centred, inverse, counts, contrast
 
